@@ -1,0 +1,95 @@
+"""Base configuration: every key the trainer knows, with its default.
+
+Model files (configs/mixtral_8x7b.py, ...) start from `get_config()` here and override. Any key not defined
+here is an error (megascale_jax/config.py checks), so a typo cannot silently fall back to a default.
+
+    python -m megascale_jax.train --config configs/base.py --config.train.steps=10
+"""
+from ml_collections import ConfigDict
+
+
+def get_config() -> ConfigDict:
+    c = ConfigDict()
+    c.name = "base"
+
+    c.model = ConfigDict()
+    c.model.vocab_size = 256
+    c.model.num_layers = 2
+    c.model.hidden = 64
+    c.model.num_heads = 4
+    c.model.num_kv_heads = 2          # GQA: num_heads % num_kv_heads == 0; ratio m = heads / kv heads
+    c.model.dense_ffn = 256           # FFN width of the leading dense layers (DeepSeekMoE's first layer)
+    c.model.num_dense_layers = 0      # leading layers with a dense SwiGLU FFN instead of MoE
+    c.model.rope_theta = 10000.0
+    c.model.norm_eps = 1e-5
+    c.model.tie_embeddings = False
+    c.model.max_seq_len = 2048        # RoPE is computed on the fly; this bounds train.seq_len
+
+    c.model.moe = ConfigDict()
+    c.model.moe.num_experts = 8
+    c.model.moe.top_k = 2
+    c.model.moe.expert_ffn = 128
+    c.model.moe.num_shared_experts = 0   # shared experts run on every token (DeepSeekMoE, Hunyuan-Large)
+    c.model.moe.shared_expert_ffn = 0    # width of each shared expert; 0 = expert_ffn
+    c.model.moe.renormalize = True       # renormalise the top-k probabilities to sum to 1
+    c.model.moe.aux_loss_weight = 0.01
+    c.model.moe.z_loss_weight = 0.001
+    # Experts counted as one virtual expert in the balance loss (paper: the experts of one EP rank).
+    # 0 = the experts of one expert-parallel rank (num_experts / parallel.intra); 1 = classic per-expert loss.
+    c.model.moe.balance_group_size = 1
+    # 0 = dropless. > 0: expert-parallel all-to-all buffers hold capacity_factor * T*K/n rows per rank and the
+    # overflow is dropped; dropped tokens are counted and reported in the metrics, never silent.
+    c.model.moe.capacity_factor = 0.0
+
+    c.parallel = ConfigDict()
+    c.parallel.data = -1              # data-parallel size; -1 = all devices left after intra and pipe
+    c.parallel.intra = 1              # size of the intra-node domain (SP / EP / TP group)
+    c.parallel.pipe = 1               # pipeline stages
+    c.parallel.plan = "xla"           # xla: annotations + sharding propagation; manual: shard_map SP/EP/TP
+    c.parallel.attention = "sp"       # sp (Ulysses) | tp (Megatron heads) — manual plan only
+    c.parallel.ffn = "ep"             # ep (whole experts per rank) | tp (expert FFN width sharded)
+    c.parallel.ep_dispatch = "auto"   # all_to_all | all_gather | auto (by top_k vs the crossover below)
+    c.parallel.dispatch_crossover_top_k = 6   # auto uses all_gather when top_k > this (paper: > 6)
+    c.parallel.grouped_gemm = "auto"  # xla (lax.ragged_dot) | pallas (Mosaic GPU kernel) | auto
+    c.parallel.attention_impl = "auto"  # xla | cudnn | auto (cudnn on GPU with bf16)
+
+    c.train = ConfigDict()
+    c.train.steps = 100
+    c.train.global_batch = 8
+    c.train.seq_len = 128
+    c.train.learning_rate = 3e-3
+    c.train.warmup_steps = 10
+    c.train.min_lr_ratio = 0.1        # cosine decays to learning_rate * min_lr_ratio
+    c.train.weight_decay = 0.1
+    c.train.b1 = 0.9
+    c.train.b2 = 0.95
+    c.train.grad_clip = 1.0
+    c.train.param_dtype = "float32"   # master weights
+    c.train.compute_dtype = "bfloat16"
+    c.train.remat = "none"            # none | full | selective
+    c.train.seed = 0
+    c.train.log_every = 10
+    c.train.eval_every = 50
+    c.train.eval_batches = 4
+
+    c.data = ConfigDict()
+    c.data.source = "text"            # text (built-in real-text corpus) | tokens (file) | synthetic
+    c.data.path = ""                  # token file for source=tokens
+    c.data.dtype = "uint16"           # token file dtype: uint16 | uint32
+    c.data.eval_fraction = 0.05
+    c.data.cache_dir = ""             # "" = ~/.cache/megascale_jax (or $MEGASCALE_JAX_CACHE)
+
+    c.checkpoint = ConfigDict()
+    c.checkpoint.dir = ""             # "" = no checkpoints
+    c.checkpoint.every = 0
+    c.checkpoint.keep = 3
+    c.checkpoint.async_save = True
+
+    c.output = ConfigDict()
+    c.output.dir = ""                 # "" = runs/<name>
+    c.output.tensorboard = True
+
+    c.profile = ConfigDict()
+    c.profile.start_step = -1         # >= 0: write a jax.profiler trace of steps [start, start + num_steps)
+    c.profile.num_steps = 3
+    return c

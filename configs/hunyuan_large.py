@@ -1,0 +1,19 @@
+"""Hunyuan-Large (Tencent, arXiv 2411.02265): 64 layers, hidden 6400, 80 heads / 8 KV heads, 16 routed
+experts of FFN 18304, top-1, plus 1 shared expert of FFN 18304; vocab 128512. 389 B parameters, 52 B active.
+(Hunyuan's cross-layer KV sharing is not modelled; it changes the KV parameter count by well under 1%.)
+
+    python -m megascale_jax.train --config configs/hunyuan_large.py --config.parallel.intra=8 --config.parallel.pipe=8
+"""
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.name = "hunyuan_large"
+    c.model.update(vocab_size=128512, num_layers=64, hidden=6400, num_heads=80, num_kv_heads=8,
+                   dense_ffn=18304, rope_theta=1e4, max_seq_len=32768)
+    c.model.moe.update(num_experts=16, top_k=1, expert_ffn=18304, num_shared_experts=1,
+                       shared_expert_ffn=18304, renormalize=False)
+    c.train.update(global_batch=256, seq_len=4096, learning_rate=3e-4, warmup_steps=2000,
+                   steps=100_000, eval_every=1000, log_every=10)
+    return c

@@ -1,0 +1,17 @@
+"""Mixtral-8x22B (Mistral AI): 56 layers, hidden 6144, 48 heads / 8 KV heads, 8 experts of FFN 16384,
+top-2, vocab 32768. 141 B parameters, 39 B active.
+
+    python -m megascale_jax.train --config configs/mixtral_8x22b.py --config.parallel.intra=8 --config.parallel.pipe=4
+"""
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.name = "mixtral_8x22b"
+    c.model.update(vocab_size=32768, num_layers=56, hidden=6144, num_heads=48, num_kv_heads=8,
+                   dense_ffn=16384, rope_theta=1e6, max_seq_len=65536)
+    c.model.moe.update(num_experts=8, top_k=2, expert_ffn=16384)
+    c.train.update(global_batch=256, seq_len=4096, learning_rate=3e-4, warmup_steps=2000,
+                   steps=100_000, eval_every=1000, log_every=10)
+    return c

@@ -1,0 +1,17 @@
+"""Mixtral-8x7B (Mistral AI, arXiv 2401.04088): 32 layers, hidden 4096, 32 heads / 8 KV heads,
+8 experts of FFN 14336, top-2, vocab 32000. 46.7 B parameters, 12.9 B active.
+
+    python -m megascale_jax.train --config configs/mixtral_8x7b.py --config.parallel.intra=8
+"""
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.name = "mixtral_8x7b"
+    c.model.update(vocab_size=32000, num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
+                   dense_ffn=14336, rope_theta=1e6, max_seq_len=32768)
+    c.model.moe.update(num_experts=8, top_k=2, expert_ffn=14336)
+    c.train.update(global_batch=256, seq_len=4096, learning_rate=3e-4, warmup_steps=2000,
+                   steps=100_000, eval_every=1000, log_every=10)
+    return c

@@ -1,0 +1,318 @@
+"""Config: the ml_collections ConfigDict from configs/*.py becomes frozen dataclasses, once, validated.
+
+This is the only library module that touches a ConfigDict. Library code receives the small dataclasses
+below. Every check raises `ConfigError` naming the key and the fix, before anything compiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from configs import base as base_config
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    expert_ffn: int
+    num_shared_experts: int
+    shared_expert_ffn: int
+    renormalize: bool
+    aux_loss_weight: float
+    z_loss_weight: float
+    balance_group_size: int
+    capacity_factor: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    dense_ffn: int
+    num_dense_layers: int
+    rope_theta: float
+    norm_eps: float
+    tie_embeddings: bool
+    max_seq_len: int
+    moe: MoEConfig
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    data: int
+    intra: int
+    pipe: int
+    plan: str
+    attention: str
+    ffn: str
+    ep_dispatch: str
+    dispatch_crossover_top_k: int
+    grouped_gemm: str
+    attention_impl: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int
+    global_batch: int
+    seq_len: int
+    learning_rate: float
+    warmup_steps: int
+    min_lr_ratio: float
+    weight_decay: float
+    b1: float
+    b2: float
+    grad_clip: float
+    param_dtype: str
+    compute_dtype: str
+    remat: str
+    seed: int
+    log_every: int
+    eval_every: int
+    eval_batches: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str
+    path: str
+    dtype: str
+    eval_fraction: float
+    cache_dir: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str
+    every: int
+    keep: int
+    async_save: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputConfig:
+    dir: str
+    tensorboard: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    start_step: int
+    num_steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    model: ModelConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    output: OutputConfig
+    profile: ProfileConfig
+
+
+def _build(cls, values: Mapping[str, Any], where: str):
+    """Builds dataclass `cls` from a mapping; unknown or missing keys are errors."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {', '.join(where + k for k in unknown)}; "
+                          f"known keys here: {', '.join(sorted(fields))}. Fix the spelling or remove them.")
+    missing = sorted(set(fields) - set(values))
+    if missing:
+        raise ConfigError(f"missing config key(s) {', '.join(where + k for k in missing)}; "
+                          "start the config from configs/base.py (base.get_config()).")
+    kwargs = {}
+    for name, field in fields.items():
+        value = values[name]
+        sub = _NESTED.get((cls, name))
+        kwargs[name] = _build(sub, value, f"{where}{name}.") if sub else value
+    return cls(**kwargs)
+
+
+_NESTED = {
+    (Config, "model"): ModelConfig, (Config, "parallel"): ParallelConfig, (Config, "train"): TrainConfig,
+    (Config, "data"): DataConfig, (Config, "checkpoint"): CheckpointConfig, (Config, "output"): OutputConfig,
+    (Config, "profile"): ProfileConfig, (ModelConfig, "moe"): MoEConfig,
+}
+
+
+def from_config_dict(config_dict, num_devices: int | None = None) -> Config:
+    """The one conversion from ConfigDict to frozen dataclasses; validates against `num_devices` if given."""
+    values = config_dict.to_dict() if hasattr(config_dict, "to_dict") else dict(config_dict)
+    cfg = _build(Config, values, "config.")
+    if num_devices is not None:
+        cfg = resolve_data_parallel(cfg, num_devices)
+    validate(cfg)
+    return cfg
+
+
+def default_config(name: str = "tiny_cpu", num_devices: int | None = None, **overrides) -> Config:
+    """Loads configs/<name>.py; `overrides` are dotted keys, e.g. {'train.steps': 3}. For tests and scripts."""
+    import importlib
+
+    cd = importlib.import_module(f"configs.{name}").get_config()
+    for dotted, value in overrides.items():
+        node = cd
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node[p]
+        if leaf not in node:
+            raise ConfigError(f"unknown config key config.{dotted}")
+        node[leaf] = value
+    return from_config_dict(cd, num_devices)
+
+
+def resolve_data_parallel(cfg: Config, num_devices: int) -> Config:
+    """Fills parallel.data = -1 with the devices left after intra and pipe, and checks the product."""
+    p = cfg.parallel
+    other = p.intra * p.pipe
+    if p.intra < 1 or p.pipe < 1:
+        raise ConfigError(f"config.parallel.intra={p.intra} and config.parallel.pipe={p.pipe} must be >= 1")
+    if p.data == -1:
+        if num_devices % other:
+            raise ConfigError(f"{num_devices} devices cannot be split into parallel.intra={p.intra} x "
+                              f"parallel.pipe={p.pipe} groups; choose sizes whose product divides {num_devices}.")
+        p = dataclasses.replace(p, data=num_devices // other)
+    if p.data * other != num_devices:
+        raise ConfigError(f"mesh data={p.data} x intra={p.intra} x pipe={p.pipe} = {p.data * other} devices, "
+                          f"but {num_devices} are present; set --config.parallel.data=-1 or sizes that multiply "
+                          f"to {num_devices}.")
+    return dataclasses.replace(cfg, parallel=p)
+
+
+_CHOICES = {
+    "parallel.plan": ("xla", "manual"), "parallel.attention": ("sp", "tp"), "parallel.ffn": ("ep", "tp"),
+    "parallel.ep_dispatch": ("all_to_all", "all_gather", "auto"), "parallel.grouped_gemm": ("xla", "pallas", "auto"),
+    "parallel.attention_impl": ("xla", "cudnn", "auto"), "train.remat": ("none", "full", "selective"),
+    "train.param_dtype": ("float32", "bfloat16"), "train.compute_dtype": ("float32", "bfloat16"),
+    "data.source": ("text", "tokens", "synthetic"), "data.dtype": ("uint16", "uint32"),
+}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Checks that the config can work; raises ConfigError naming the key and the fix."""
+    for dotted, options in _CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        _check(value in options, f"config.{dotted}={value!r}; choose one of {', '.join(options)}.")
+    m, e, p, t = cfg.model, cfg.model.moe, cfg.parallel, cfg.train
+    for key in ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads"):
+        _check(getattr(m, key) > 0, f"config.model.{key}={getattr(m, key)} must be positive.")
+    _check(m.hidden % m.num_heads == 0,
+           f"config.model.hidden={m.hidden} is not num_heads={m.num_heads} x head_dim: hidden must be a multiple "
+           "of num_heads (head_dim = hidden / num_heads).")
+    _check(m.head_dim % 2 == 0, f"head_dim = hidden / num_heads = {m.head_dim} must be even for RoPE.")
+    _check(m.num_heads % m.num_kv_heads == 0,
+           f"config.model.num_heads={m.num_heads} is not a multiple of num_kv_heads={m.num_kv_heads} (GQA groups "
+           "must be equal); pick num_kv_heads dividing num_heads.")
+    _check(0 <= m.num_dense_layers < m.num_layers,
+           f"config.model.num_dense_layers={m.num_dense_layers} must be within [0, num_layers={m.num_layers}) "
+           "so that at least one layer is MoE.")
+    _check(m.num_dense_layers == 0 or m.dense_ffn > 0, "config.model.dense_ffn must be > 0 with dense layers.")
+    _check(e.num_experts > 0 and e.expert_ffn > 0, "config.model.moe.num_experts and expert_ffn must be > 0.")
+    _check(1 <= e.top_k <= e.num_experts,
+           f"config.model.moe.top_k={e.top_k} must be in [1, num_experts={e.num_experts}].")
+    _check(e.num_shared_experts >= 0, "config.model.moe.num_shared_experts must be >= 0.")
+    _check(e.capacity_factor == 0 or e.capacity_factor > 0,
+           f"config.model.moe.capacity_factor={e.capacity_factor}: use 0 (dropless) or a positive factor.")
+    group = e.balance_group_size or e.num_experts // max(p.intra, 1)
+    _check(group >= 1 and e.num_experts % group == 0,
+           f"config.model.moe.balance_group_size={e.balance_group_size}: num_experts={e.num_experts} must be a "
+           "multiple of the group size (0 = experts per EP rank, 1 = per expert).")
+    _check(t.seq_len <= m.max_seq_len,
+           f"config.train.seq_len={t.seq_len} exceeds config.model.max_seq_len={m.max_seq_len}; raise "
+           "max_seq_len or shorten seq_len.")
+    _check(t.steps > 0 and t.global_batch > 0 and t.seq_len > 0, "config.train.steps, global_batch and seq_len "
+           "must be positive.")
+    _check(0 <= t.warmup_steps <= t.steps, f"config.train.warmup_steps={t.warmup_steps} must be in [0, steps].")
+    _check(p.data == -1 or p.data >= 1, f"config.parallel.data={p.data}: use -1 (all remaining devices) or >= 1.")
+    if p.data > 0:
+        _check(t.global_batch % p.data == 0,
+               f"config.train.global_batch={t.global_batch} is not divisible by the data-parallel size "
+               f"{p.data}; use a multiple of {p.data}.")
+    _validate_intra(cfg)
+    _check(p.pipe == 1, f"config.parallel.pipe={p.pipe}: pipeline stages are not wired into the trainer yet; "
+           "use pipe=1 (the schedules live in megascale_jax/parallel/pipeline.py).")
+    _check(cfg.data.source != "tokens" or cfg.data.path,
+           "config.data.source='tokens' needs config.data.path (a flat uint16/uint32 token file).")
+    _check(m.vocab_size >= 256 or cfg.data.source != "text",
+           f"config.model.vocab_size={m.vocab_size} is below the byte tokenizer's 256 for data.source='text'.")
+
+
+def _validate_intra(cfg: Config) -> None:
+    """Checks the intra-node domain (SP / EP / TP) against the model's shapes."""
+    m, e, p, t = cfg.model, cfg.model.moe, cfg.parallel, cfg.train
+    n = p.intra
+    if n == 1:
+        return
+    if p.plan == "xla":
+        _check(e.num_experts % n == 0, f"config.model.moe.num_experts={e.num_experts} is not divisible by "
+               f"config.parallel.intra={n}; the XLA plan shards experts over the intra axis.")
+        return
+    if p.attention == "sp":
+        _check(m.num_heads % n == 0, f"SP attention: num_heads={m.num_heads} is not divisible by "
+               f"config.parallel.intra={n}; choose intra dividing num_heads or attention='tp'.")
+        _check(t.seq_len % n == 0, f"SP attention: config.train.seq_len={t.seq_len} is not divisible by "
+               f"config.parallel.intra={n}.")
+        _check(m.num_kv_heads % n == 0 or n % m.num_kv_heads == 0,
+               f"SP attention: num_kv_heads={m.num_kv_heads} and intra={n} must divide one another.")
+    else:
+        _check(m.num_heads % n == 0 and m.num_kv_heads % n == 0,
+               f"TP attention shards heads: num_heads={m.num_heads} and num_kv_heads={m.num_kv_heads} must be "
+               f"divisible by config.parallel.intra={n}.")
+        _check(t.seq_len % n == 0, f"TP attention (sequence-parallel): seq_len={t.seq_len} must be divisible by "
+               f"config.parallel.intra={n}.")
+    if p.ffn == "ep":
+        _check(e.num_experts % n == 0, f"EP: num_experts={e.num_experts} is not divisible by "
+               f"config.parallel.intra={n}; each rank must hold whole experts (or use ffn='tp').")
+    else:
+        _check(e.expert_ffn % n == 0, f"TP FFN: expert_ffn={e.expert_ffn} is not divisible by intra={n}.")
+
+
+def dispatch_mode(cfg: Config) -> str:
+    """The resolved EP dispatch: `auto` picks all_gather above the top-k crossover (paper: top-k > 6)."""
+    p = cfg.parallel
+    if p.ep_dispatch != "auto":
+        return p.ep_dispatch
+    return "all_gather" if cfg.model.moe.top_k > p.dispatch_crossover_top_k else "all_to_all"
+
+
+def balance_group_size(cfg: Config) -> int:
+    """Experts per virtual expert in the balance loss (0 in config = the experts of one EP rank)."""
+    e = cfg.model.moe
+    return e.balance_group_size or e.num_experts // cfg.parallel.intra
+
+
+def base_keys() -> set[str]:
+    """Every dotted key of configs/base.py (for tests and docs)."""
+    def walk(d, prefix):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from walk(v, prefix + k + ".")
+            else:
+                yield prefix + k
+    return set(walk(base_config.get_config().to_dict(), ""))

@@ -1,0 +1,65 @@
+"""Small building blocks: parameters with logical axes, RMSNorm, RoPE, embedding, dense SwiGLU MLP."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def param(rngs: nnx.Rngs, shape, axes: tuple[str | None, ...], dtype, scale: float | None = None) -> nnx.Param:
+    """A truncated-normal parameter with std 1/sqrt(fan_in) (fan_in = first dim unless `scale` is given)."""
+    std = scale if scale is not None else shape[-2 if len(shape) > 1 else 0] ** -0.5
+    value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), sharding_names=axes)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32 (cheap, and bf16 variance loses precision), output in the input dtype."""
+
+    def __init__(self, dim: int, eps: float, param_dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), sharding_names=("embed",))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BSHD, positions_BS, theta: float):
+    """Rotary position embedding (rotate-half form) on the last dim; positions are global token indices."""
+    half = x_BSHD.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions_BS[..., None].astype(jnp.float32) * freq           # [B, S, half]
+    sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+    x1, x2 = jnp.split(x_BSHD.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BSHD.dtype)
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, param_dtype, rngs: nnx.Rngs):
+        self.table_VD = param(rngs, (vocab, dim), ("vocab", "embed"), param_dtype, scale=1.0)
+
+    def __call__(self, tokens_BS, dtype):
+        return jnp.take(self.table_VD[...], tokens_BS, axis=0).astype(dtype)
+
+    def attend(self, x_BSD):
+        """Tied output head: logits against the embedding table, in float32."""
+        return jnp.einsum("bsd,vd->bsv", x_BSD, self.table_VD[...].astype(x_BSD.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+class DenseMLP(nnx.Module):
+    """SwiGLU MLP: down(silu(x @ gate) * (x @ up)). Used for dense layers and shared experts."""
+
+    def __init__(self, dim: int, ffn: int, param_dtype, rngs: nnx.Rngs, ffn_axis: str = "ffn"):
+        self.w_gate_DF = param(rngs, (dim, ffn), ("embed", ffn_axis), param_dtype)
+        self.w_up_DF = param(rngs, (dim, ffn), ("embed", ffn_axis), param_dtype)
+        self.w_down_FD = param(rngs, (ffn, dim), (ffn_axis, "embed"), param_dtype)
+
+    def __call__(self, x_TD):
+        dt = x_TD.dtype
+        gate = x_TD @ self.w_gate_DF[...].astype(dt)
+        up = x_TD @ self.w_up_DF[...].astype(dt)
+        return (jax.nn.silu(gate) * up) @ self.w_down_FD[...].astype(dt)

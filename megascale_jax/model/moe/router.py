@@ -1,0 +1,65 @@
+"""Softmax top-k router with the grouped auxiliary balance loss and the router z-loss.
+
+Balance loss (Switch / GShard form, per the paper computed over *groups* of experts): the experts of one
+expert-parallel rank count as one virtual expert, because balancing whole GPUs is what evens out the
+all-to-all and the grouped GEMM work. With num_groups = E / group_size,
+    f_g = fraction of the T*K routed assignments that land in group g
+    P_g = mean over tokens of the router probability mass of group g
+    aux = num_groups * sum_g f_g * P_g            (= 1 when perfectly balanced)
+group_size = 1 is the classic per-expert loss. z-loss = mean(logsumexp(logits)^2) keeps logits small.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megascale_jax.model.layers import param
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    idx_TK: jax.Array       # int32 expert ids, best first
+    weight_TK: jax.Array    # float32 combine weights
+    aux_loss: jax.Array     # scalar, balance loss (unweighted)
+    z_loss: jax.Array       # scalar (unweighted)
+    tokens_per_expert_E: jax.Array  # int32 counts of routed assignments
+
+
+jax.tree_util.register_dataclass(Routing)
+
+
+def balance_loss(probs_TE, idx_TK, group_size: int):
+    """Grouped balance loss; group g holds experts [g*group_size, (g+1)*group_size)."""
+    num_tokens, num_experts = probs_TE.shape
+    num_groups = num_experts // group_size
+    counts_E = jnp.zeros((num_experts,), jnp.float32).at[idx_TK.reshape(-1)].add(1.0)
+    frac_G = counts_E.reshape(num_groups, group_size).sum(-1) / idx_TK.size
+    prob_G = probs_TE.reshape(num_tokens, num_groups, group_size).sum(-1).mean(0)
+    return num_groups * jnp.sum(frac_G * prob_G)
+
+
+def route(logits_TE, top_k: int, renormalize: bool, group_size: int) -> Routing:
+    """Pure routing math (float32), separated from the module so tests can feed hand-built logits."""
+    logits_TE = logits_TE.astype(jnp.float32)
+    probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+    weight_TK, idx_TK = jax.lax.top_k(probs_TE, top_k)
+    if renormalize:
+        weight_TK = weight_TK / jnp.sum(weight_TK, axis=-1, keepdims=True)
+    z_loss = jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2)
+    counts = jnp.zeros((logits_TE.shape[-1],), jnp.int32).at[idx_TK.reshape(-1)].add(1)
+    return Routing(idx_TK.astype(jnp.int32), weight_TK, balance_loss(probs_TE, idx_TK, group_size), z_loss, counts)
+
+
+class Router(nnx.Module):
+    def __init__(self, dim: int, num_experts: int, top_k: int, renormalize: bool, group_size: int,
+                 rngs: nnx.Rngs):
+        # Router weights stay float32 regardless of param dtype: the top-k choice is precision-sensitive.
+        self.w_DE = param(rngs, (dim, num_experts), ("embed", None), jnp.float32)
+        self.top_k, self.renormalize, self.group_size = top_k, renormalize, group_size
+
+    def __call__(self, x_TD) -> Routing:
+        logits = jnp.dot(x_TD.astype(jnp.float32), self.w_DE[...], preferred_element_type=jnp.float32)
+        return route(logits, self.top_k, self.renormalize, self.group_size)

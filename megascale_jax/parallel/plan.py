@@ -1,0 +1,84 @@
+"""ParallelPlan: the only place where mesh axis names exist.
+
+Mesh axes, outermost first (devices of one NVLink domain are adjacent, innermost):
+  data   data parallelism (replicas of the whole pipeline)
+  pipe   pipeline stages (across nodes)
+  intra  the intra-node domain of n devices: SP attention + EP experts (or the TP baselines)
+
+Model code names *logical* axes on its parameters ('experts', 'embed', 'heads', ...); `logical_rules` maps
+them onto these mesh axes, per plan:
+  xla     parameters and the batch are annotated, XLA's sharding propagation (Shardy) decides the rest;
+  manual  the model runs inside jax.shard_map with explicit collectives (parallel/layouts.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+DATA, PIPE, INTRA = "data", "pipe", "intra"
+MESH_AXES = (DATA, PIPE, INTRA)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelPlan:
+    data: int
+    pipe: int
+    intra: int
+    kind: str = "xla"            # xla | manual
+    attention: str = "sp"        # sp | tp   (manual only)
+    ffn: str = "ep"              # ep | tp   (manual only)
+    dispatch: str = "all_to_all"  # all_to_all | all_gather (resolved, never auto)
+    capacity_factor: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "ParallelPlan":
+        from megascale_jax.config import dispatch_mode
+
+        p = cfg.parallel
+        return cls(p.data, p.pipe, p.intra, p.plan, p.attention, p.ffn, dispatch_mode(cfg),
+                   cfg.model.moe.capacity_factor)
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.pipe * self.intra
+
+    def make_mesh(self, devices=None) -> Mesh:
+        """A (data, pipe, intra) mesh; intra innermost so one domain sits on adjacent (same-node) devices."""
+        devices = list(jax.devices() if devices is None else devices)
+        if len(devices) != self.num_devices:
+            raise ValueError(f"the plan needs data x pipe x intra = {self.data} x {self.pipe} x {self.intra} = "
+                             f"{self.num_devices} devices but {len(devices)} were given; set config.parallel.* "
+                             "to sizes that multiply to the device count (data=-1 fills in the rest).")
+        grid = np.asarray(devices, dtype=object).reshape(self.data, self.pipe, self.intra)
+        return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+    def logical_rules(self) -> dict[str, str | None]:
+        """Logical parameter axis -> mesh axis (None = replicated)."""
+        rules: dict[str, str | None] = {"layers": None}
+        if self.intra > 1 and (self.kind == "xla" or self.ffn == "ep"):
+            rules["experts"] = INTRA            # whole experts per rank (EP)
+        if self.kind == "manual" and self.ffn == "tp":
+            rules["expert_ffn"] = INTRA         # Megatron-style: expert FFN width sharded
+        if self.kind == "manual" and self.attention == "tp":
+            rules["heads"] = INTRA
+            rules["kv_heads"] = INTRA
+        return rules
+
+    def param_spec(self, logical_axes) -> P:
+        rules = self.logical_rules()
+        return P(*(rules.get(name) if name else None for name in logical_axes))
+
+    def batch_spec(self) -> P:
+        """[batch, sequence] token arrays: batch over data; under the manual plan sequence over intra."""
+        return P(DATA, INTRA if self.kind == "manual" else None)
+
+    def batch_sharding(self, mesh: Mesh) -> NamedSharding:
+        return NamedSharding(mesh, self.batch_spec())
+
+    def param_shardings(self, logical_specs, mesh: Mesh):
+        """Maps a pytree of logical PartitionSpecs (nnx.get_partition_spec) to NamedShardings."""
+        return jax.tree.map(lambda spec: NamedSharding(mesh, self.param_spec(tuple(spec))), logical_specs,
+                            is_leaf=lambda x: isinstance(x, P))
