@@ -17,8 +17,15 @@ class ModelSize:
     train_flops_per_token: float
 
     def summary(self) -> str:
-        return (f"{self.total_params / 1e9:.3f} B parameters, {self.active_params / 1e9:.3f} B active, "
-                f"{self.train_flops_per_token / 1e9:.2f} GFLOP/token (train)")
+        return (f"{_human(self.total_params)} parameters, {_human(self.active_params)} active, "
+                f"{_human(self.train_flops_per_token)}FLOP/token (train)")
+
+
+def _human(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} "
 
 
 def _attention_params(m) -> int:

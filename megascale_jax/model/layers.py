@@ -10,14 +10,14 @@ def param(rngs: nnx.Rngs, shape, axes: tuple[str | None, ...], dtype, scale: flo
     """A truncated-normal parameter with std 1/sqrt(fan_in) (fan_in = first dim unless `scale` is given)."""
     std = scale if scale is not None else shape[-2 if len(shape) > 1 else 0] ** -0.5
     value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
-    return nnx.Param(value.astype(dtype), sharding_names=axes)
+    return nnx.Param(value.astype(dtype), out_sharding=axes)
 
 
 class RMSNorm(nnx.Module):
     """RMSNorm computed in float32 (cheap, and bf16 variance loses precision), output in the input dtype."""
 
     def __init__(self, dim: int, eps: float, param_dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), sharding_names=("embed",))
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("embed",))
         self.eps = eps
 
     def __call__(self, x):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from megascale_jax.model.moe.dispatch import sort_by_expert, unsort_and_combine
@@ -40,3 +41,17 @@ class LocalLayout:
         y_sorted = experts(x_sorted, group_sizes, self.grouped_gemm)
         y_TD = unsort_and_combine(y_sorted, order, routing.weight_TK)
         return y_TD, jnp.zeros((), jnp.int32), routing.tokens_per_expert_E
+
+
+def layout_for(cfg, plan):
+    """The layout a config and plan call for: local hooks under the XLA plan, shard_map hooks under manual."""
+    from megascale_jax.model.moe.experts import resolve_grouped_gemm
+
+    attention_impl = cfg.parallel.attention_impl
+    if attention_impl == "auto":
+        gpu_bf16 = jax.default_backend() == "gpu" and cfg.train.compute_dtype == "bfloat16"
+        attention_impl = "cudnn" if gpu_bf16 else "xla"
+    grouped = resolve_grouped_gemm(cfg.parallel.grouped_gemm)
+    if plan.kind == "xla":
+        return LocalLayout(attention_impl=attention_impl, grouped_gemm=grouped)
+    raise NotImplementedError("the manual SP/EP/TP plan is being wired in (issue 3); use config.parallel.plan='xla'")

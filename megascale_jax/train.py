@@ -1,0 +1,259 @@
+"""Entry point: flags -> config -> distributed init -> mesh -> state (created sharded) -> jitted step -> loop.
+
+    python -m megascale_jax.train --config configs/tiny_cpu.py [--config.train.steps=50] [--profile]
+
+The default config is the tiny CPU model on the built-in real-text corpus.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from megascale_jax import config as config_lib
+from megascale_jax import data as data_lib
+from megascale_jax import metrics as metrics_lib
+from megascale_jax.checkpoint import Checkpointer
+from megascale_jax.model.accounting import model_size
+from megascale_jax.model.layout import layout_for
+from megascale_jax.model.loss import objective
+from megascale_jax.model.transformer import Transformer
+from megascale_jax.optim import learning_rate_schedule, make_optimizer
+from megascale_jax.parallel import distributed
+from megascale_jax.parallel.plan import ParallelPlan
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_cpu.py", "configs/<model>.py to train.")
+_PROFILE = flags.DEFINE_bool("profile", False, "Trace steps [5, 8) with jax.profiler (unless "
+                             "config.profile.start_step is set) into <output>/profile.")
+_COORDINATOR = flags.DEFINE_string("coordinator", None, "host:port of process 0 (multi-host without SLURM).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Process count (multi-host without SLURM).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-host without SLURM).")
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+# ----------------------------------------------------------------------------------------------- state
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """Everything the loop needs that is built once: config, plan, mesh, model graph, optimizer, shardings."""
+    cfg: config_lib.Config
+    plan: ParallelPlan
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    optimizer: optax.GradientTransformation
+    state_shardings: dict
+    abstract_state: dict
+    layout: object
+
+
+def _new_model(cfg) -> Transformer:
+    return Transformer(cfg.model, param_dtype=DTYPES[cfg.train.param_dtype],
+                       compute_dtype=DTYPES[cfg.train.compute_dtype],
+                       group_size=config_lib.balance_group_size(cfg), remat=cfg.train.remat,
+                       rngs=nnx.Rngs(params=cfg.train.seed))
+
+
+def build_trainer(cfg: config_lib.Config, devices=None) -> Trainer:
+    """Plans the mesh and derives the state's shardings from the model's logical axes (nothing allocated)."""
+    plan = ParallelPlan.from_config(cfg)
+    mesh = plan.make_mesh(devices)
+    optimizer = make_optimizer(cfg.train)
+
+    def init_state():
+        graphdef, params = nnx.split(_new_model(cfg))
+        return graphdef, {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    graphdef, abstract = _abstract(init_state)
+    param_shardings = plan.param_shardings(nnx.get_partition_spec(abstract["params"]), mesh)
+    replicated = NamedSharding(mesh, P())
+    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract["opt_state"], param_shardings,
+                                          transform_non_params=lambda _: replicated)
+    shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return Trainer(cfg, plan, mesh, graphdef, optimizer, shardings, abstract, layout_for(cfg, plan))
+
+
+def _abstract(init_state):
+    """Shapes of the state without computing it; the graphdef comes from the same trace."""
+    captured = {}
+
+    def state_only():
+        graphdef, state = init_state()
+        captured["graphdef"] = graphdef
+        return state
+
+    abstract = jax.eval_shape(state_only)
+    return captured["graphdef"], abstract
+
+
+def create_state(trainer: Trainer):
+    """Initialises the state directly with its shardings: no full copy ever sits on one device."""
+    cfg, optimizer = trainer.cfg, trainer.optimizer
+
+    def init():
+        params = nnx.state(_new_model(cfg))
+        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    return jax.jit(init, out_shardings=trainer.state_shardings)()
+
+
+# ------------------------------------------------------------------------------------------------ step
+def make_train_step(trainer: Trainer):
+    cfg, graphdef, layout, optimizer = trainer.cfg, trainer.graphdef, trainer.layout, trainer.optimizer
+    schedule = learning_rate_schedule(cfg.train)
+    loss_fn = layout.wrap_objective(objective, trainer.mesh) if hasattr(layout, "wrap_objective") else objective
+
+    def step_fn(state, batch):
+        def loss_of(params):
+            return loss_fn(nnx.merge(graphdef, params), batch, layout, cfg.model.moe)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"])
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        load = jnp.sum(metrics.pop("tokens_per_expert"), axis=0).astype(jnp.float32)
+        metrics.update(loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]),
+                       expert_load_max_over_mean=jnp.max(load) / jnp.maximum(jnp.mean(load), 1.0))
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    batch_sharding = trainer.plan.batch_sharding(trainer.mesh)
+    return jax.jit(step_fn, in_shardings=(trainer.state_shardings, {"inputs": batch_sharding,
+                   "targets": batch_sharding}), out_shardings=(trainer.state_shardings, None), donate_argnums=0)
+
+
+def make_eval_step(trainer: Trainer):
+    cfg, graphdef, layout = trainer.cfg, trainer.graphdef, trainer.layout
+    loss_fn = layout.wrap_objective(objective, trainer.mesh) if hasattr(layout, "wrap_objective") else objective
+
+    def eval_fn(params, batch):
+        return loss_fn(nnx.merge(graphdef, params), batch, layout, cfg.model.moe)[1]["ce"]
+
+    batch_sharding = trainer.plan.batch_sharding(trainer.mesh)
+    return jax.jit(eval_fn, in_shardings=(trainer.state_shardings["params"],
+                                          {"inputs": batch_sharding, "targets": batch_sharding}))
+
+
+def global_batch(sampler: data_lib.BatchSampler, step: int, split: str, sharding: NamedSharding):
+    """Assembles the global batch; each process computes only the rows of its own devices."""
+    shape = (sampler.global_batch, sampler.seq_len)
+    cache = {}
+
+    def rows(index):
+        key = index[0].indices(shape[0])[:2]
+        if key not in cache:
+            cache[key] = sampler.batch_for_rows(step, range(*key), split=split)
+        return cache[key]
+
+    return {name: jax.make_array_from_callback(shape, sharding, lambda idx, n=name: rows(idx)[n][:, idx[1]])
+            for name in ("inputs", "targets")}
+
+
+# ------------------------------------------------------------------------------------------------ loop
+def run(cfg: config_lib.Config, *, profile: bool = False, devices=None, stop_after: int | None = None) -> list[dict]:
+    """Trains `cfg` on `devices` (default all); returns the logged train metrics (one dict per log step).
+
+    Resumes from the newest checkpoint in config.checkpoint.dir when there is one. `stop_after` ends the run
+    early at that step (what a preemption does), without changing the schedule, which follows train.steps.
+    """
+    trainer = build_trainer(cfg, devices)
+    out_dir = cfg.output.dir or os.path.join("runs", cfg.name)
+    source = data_lib.make_source(cfg.data.source, path=cfg.data.path, dtype=cfg.data.dtype,
+                                  vocab_size=cfg.model.vocab_size, seed=cfg.train.seed,
+                                  cache_dir=cfg.data.cache_dir or None)
+    sampler = data_lib.BatchSampler(source, cfg.train.seq_len, cfg.train.global_batch, cfg.train.seed,
+                                    cfg.data.eval_fraction)
+    size = model_size(cfg.model, cfg.train.seq_len)
+    peak = metrics_lib.peak_flops_per_device(jax.devices()[0])
+    _banner(cfg, trainer, size, peak, source)
+
+    ckpt = Checkpointer(cfg.checkpoint.dir, save_every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                        async_save=cfg.checkpoint.async_save) if cfg.checkpoint.dir else None
+    if ckpt is not None and ckpt.latest_step() is not None:
+        state, extra = ckpt.restore(trainer.abstract_state)
+        print(f"resumed from {cfg.checkpoint.dir} at step {extra['step']}", flush=True)
+    else:
+        state = create_state(trainer)
+    start = int(jax.device_get(state["step"]))
+
+    train_step, eval_step = make_train_step(trainer), make_eval_step(trainer)
+    batch_sharding = trainer.plan.batch_sharding(trainer.mesh)
+    writer = metrics_lib.MetricsWriter(out_dir, tensorboard=cfg.output.tensorboard, purge_step=start or None) \
+        if jax.process_index() == 0 else None
+    bar = metrics_lib.ProgressBar(cfg.train.steps, start) if jax.process_index() == 0 else None
+    timer = metrics_lib.StepTimer(tokens_per_step=cfg.train.global_batch * cfg.train.seq_len)
+    profile_start = cfg.profile.start_step if cfg.profile.start_step >= 0 else (5 if profile else -1)
+    logged = []
+    for step in range(start, min(cfg.train.steps, stop_after or cfg.train.steps)):
+        if step == profile_start:
+            jax.profiler.start_trace(os.path.join(out_dir, "profile"))
+        state, metrics = train_step(state, global_batch(sampler, step, "train", batch_sharding))
+        if step == profile_start + cfg.profile.num_steps - 1 and profile_start >= 0:
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+        done = step + 1
+        if done % cfg.train.log_every == 0 or done == cfg.train.steps or done == start + 1:
+            record = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            tokens_per_s = timer.lap(done, metrics)
+            record["tokens_per_s"] = tokens_per_s
+            record["mfu"] = metrics_lib.model_flops_utilization(size.train_flops_per_token, tokens_per_s,
+                                                                trainer.mesh.devices.size, peak)
+            logged.append({"step": done, **record})
+            if writer:
+                writer.write(done, record, split="train")
+                bar.update(done, record["loss"], tokens_per_s, record["mfu"])
+        if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
+            with timer.excluded(state):
+                ce = np.mean([float(eval_step(state["params"], global_batch(sampler, i, "eval", batch_sharding)))
+                              for i in range(cfg.train.eval_batches)])
+            if writer:
+                writer.write(done, {"ce": ce}, split="eval")
+                bar.message(f"step {done}: eval loss {ce:.4f}")
+        if ckpt is not None:
+            ckpt.maybe_save(done, state, {"step": done, "config": cfg.name})
+    if ckpt is not None:
+        ckpt.wait()
+        ckpt.close()
+    if writer:
+        bar.close()
+        writer.close()
+    return logged
+
+
+def _banner(cfg, trainer, size, peak, source) -> None:
+    if jax.process_index() != 0:
+        return
+    p = trainer.plan
+    lines = [
+        f"megascale-jax | config {cfg.name} | jax {jax.__version__} | {jax.process_count()} process(es)",
+        f"devices: {trainer.mesh.devices.size} x {jax.devices()[0].device_kind} "
+        f"(peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s bf16'})",
+        f"mesh: data={p.data} pipe={p.pipe} intra={p.intra} | plan {p.kind} (attention {p.attention}, "
+        f"ffn {p.ffn}, dispatch {p.dispatch})",
+        f"model: {size.summary()}",
+        f"data: {getattr(source, 'description', type(source).__name__)} | batch {cfg.train.global_batch} x "
+        f"{cfg.train.seq_len} tokens",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def main(argv) -> None:
+    del argv
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    try:
+        cfg = config_lib.from_config_dict(_CONFIG.value, num_devices=jax.device_count())
+    except config_lib.ConfigError as err:
+        sys.exit(f"config error: {err}")
+    run(cfg, profile=_PROFILE.value)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,98 @@
+"""Whole-model properties: causality, remat modes agree, parameter and FLOP accounting."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from megascale_jax.config import default_config
+from megascale_jax.model.accounting import model_size
+from megascale_jax.model.layout import LocalLayout
+from megascale_jax.model.loss import objective
+from megascale_jax.model.transformer import Transformer
+
+PUBLISHED = {  # (total, active) parameters in billions, from the models' papers / cards
+    "mixtral_8x7b": (46.7, 12.9), "mixtral_8x22b": (141, 39), "phi35_moe": (41.9, 6.6),
+    "deepseekmoe_16b": (16.4, 2.8), "hunyuan_large": (389, 52),
+}
+
+
+def _model(cfg, remat="none"):
+    return Transformer(cfg.model, param_dtype=jnp.float32, compute_dtype=jnp.float32, group_size=1, remat=remat,
+                       rngs=nnx.Rngs(0))
+
+
+def _small(**overrides):
+    base = {"model.hidden": 32, "model.num_heads": 4, "model.num_kv_heads": 2, "model.moe.expert_ffn": 16,
+            "model.num_layers": 3, "model.num_dense_layers": 1, "model.dense_ffn": 48,
+            "model.moe.num_shared_experts": 1}
+    return default_config("tiny_cpu", **{**base, **overrides})
+
+
+def test_causal_gradient_of_early_outputs_wrt_later_inputs_is_zero():
+    cfg = _small()
+    model = _model(cfg)
+    x = jax.random.normal(jax.random.key(0), (1, 16, cfg.model.hidden))
+
+    def early_outputs(x):
+        h = x
+        graphdef, state = nnx.split(model.moe_blocks)
+        block0 = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
+        h, _ = block0(h, LocalLayout())
+        return jnp.sum(h[:, :8])
+
+    g = jax.grad(early_outputs)(x)
+    assert float(jnp.abs(g[:, 8:]).max()) == 0.0
+    assert float(jnp.abs(g[:, :8]).max()) > 0.0
+
+    # The full model too: logits at positions < 8 do not depend on tokens >= 8.
+    tokens = jax.random.randint(jax.random.key(1), (1, 16), 0, 256)
+    logits, _ = model(tokens, LocalLayout())
+    changed = tokens.at[:, 8:].set((tokens[:, 8:] + 7) % 256)
+    logits2, _ = model(changed, LocalLayout())
+    np.testing.assert_allclose(np.asarray(logits[:, :8]), np.asarray(logits2[:, :8]), rtol=1e-6, atol=1e-6)
+    assert float(jnp.abs(logits[:, 8:] - logits2[:, 8:]).max()) > 1e-3
+
+
+@pytest.mark.parametrize("remat", ["full", "selective"])
+def test_remat_modes_give_identical_gradients(remat):
+    cfg = _small()
+    batch = {"inputs": jax.random.randint(jax.random.key(2), (2, 16), 0, 256),
+             "targets": jax.random.randint(jax.random.key(3), (2, 16), 0, 256)}
+
+    def grads(remat_mode):
+        graphdef, params = nnx.split(_model(cfg, remat_mode))
+        f = lambda p: objective(nnx.merge(graphdef, p), batch, LocalLayout(), cfg.model.moe)[0]  # noqa: E731
+        return jax.jit(jax.value_and_grad(f))(params)
+
+    (l0, g0), (l1, g1) = grads("none"), grads(remat)
+    assert float(l0) == pytest.approx(float(l1), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_parameter_count_matches_built_model(tie):
+    cfg = _small(**{"model.tie_embeddings": tie})
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(_model(cfg))))
+    assert model_size(cfg.model, cfg.train.seq_len).total_params == n
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_parameter_counts(name):
+    cfg = default_config(name)
+    size = model_size(cfg.model, cfg.train.seq_len)
+    total, active = PUBLISHED[name]
+    assert size.total_params / 1e9 == pytest.approx(total, rel=0.015)
+    assert size.active_params / 1e9 == pytest.approx(active, rel=0.025)
+
+
+def test_train_flops_per_token_mixtral_hand_count():
+    cfg = default_config("mixtral_8x7b")
+    m = cfg.model
+    attn = 4096 * 128 * (2 * 32 + 2 * 8)
+    matmul = 32 * (attn + 2 * 3 * 4096 * 14336 + 4096 * 8) + 32000 * 4096
+    attention_core = 2 * 4096 * 32 * 128 * 32
+    assert model_size(m, 4096).train_flops_per_token == 3 * (2 * matmul + attention_core)
+    # Roughly 6 x active parameters plus attention: ~ 6 * 12.9e9 = 77 GFLOP + attention.
+    assert 75e9 < model_size(m, 4096).train_flops_per_token < 85e9
