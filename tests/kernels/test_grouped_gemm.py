@@ -1,0 +1,151 @@
+"""Grouped GEMM kernel vs `lax.ragged_dot` in fp32: forward, input gradient, weight gradient.
+
+CPU: the Mosaic GPU kernels run in GPU interpret mode on small shapes; the interpreter fills every
+buffer with NaN before the kernel runs, so an element the kernel never writes fails the comparison.
+GPU (`-m gpu`, MEGASCALE_TEST_GPU=1): the same checks at larger shapes with the default tuning, the
+output memory poisoned with NaN just before each run.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.grouped_gemm import (GemmTiling, GroupedGemmTuning, default_tuning, grouped_gemm,
+                                         grouped_gemm_reference)
+
+# Small tiles give many group boundaries per tile in few rows; both warpgroup splits are covered.
+SMALL_TUNING = GroupedGemmTuning(
+    fwd=GemmTiling(tile_m=64, tile_n=64, max_concurrent_steps=2, wg_split="n", grid_tile_width=2),
+    dgrad=GemmTiling(tile_m=64, tile_n=64, max_concurrent_steps=2, wg_split="m", grid_tile_width=2),
+    wgrad=GemmTiling(tile_m=64, tile_n=64, max_concurrent_steps=2, wg_split="m", grid_tile_width=2),
+    num_sms=3)
+
+
+def _random_problem(seed, m, k, n, group_sizes):
+    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+    g = len(group_sizes)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (g, k, n), jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, (m, n), jnp.float32)
+    return x, w, dy, jnp.asarray(group_sizes, jnp.int32)
+
+
+def _rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.all(np.isfinite(got)), "non-finite output: an element was never written"
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def _ragged_dot_f32(x, w, group_sizes):
+    return jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), group_sizes,
+                              precision=jax.lax.Precision.HIGHEST)
+
+
+def _check_fwd_bwd(x, w, dy, group_sizes, **kwargs):
+    """fp32 output: products of bf16 values are exact in fp32, so y agrees to fp32 rounding; dx and dw
+    come back in bf16 (the input dtypes), so they agree to bf16 rounding (~2^-9 relative)."""
+    fn = lambda x, w: grouped_gemm(x, w, group_sizes, preferred_element_type=jnp.float32, **kwargs)  # noqa: E731
+    y, vjp = jax.vjp(fn, x, w)
+    dx, dw = vjp(dy)
+    ref_y, ref_vjp = jax.vjp(lambda x, w: _ragged_dot_f32(x, w, group_sizes), x.astype(jnp.float32),
+                             w.astype(jnp.float32))
+    ref_dx, ref_dw = ref_vjp(dy.astype(jnp.bfloat16).astype(jnp.float32))
+    assert y.dtype == jnp.float32 and dx.dtype == x.dtype and dw.dtype == w.dtype
+    assert _rel_err(y, ref_y) < 1e-5
+    assert _rel_err(dx, ref_dx) < 4e-3
+    assert _rel_err(dw, ref_dw) < 4e-3
+    total = int(np.minimum(np.sum(np.asarray(group_sizes)), x.shape[0]))
+    assert np.all(np.asarray(y)[total:] == 0.0), "rows past sum(group_sizes) must be exact zeros"
+    assert np.all(np.asarray(dx)[total:] == 0.0)
+    for g in np.flatnonzero(np.asarray(group_sizes) == 0):
+        assert np.all(np.asarray(dw[g]) == 0.0), f"empty group {g} must get a zero weight gradient"
+
+
+INTERPRET_CASES = {
+    # empty groups, sizes off the tile, sum(group_sizes) < M (a zero tail), a group inside one tile
+    "ragged_with_tail": (200, [50, 0, 7, 100, 0, 23]),
+    # skewed: every token in one group, the others empty
+    "all_in_one_group": (136, [0, 136, 0]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INTERPRET_CASES))
+def test_interpret_forward_and_gradients_match_ragged_dot(case):
+    m, sizes = INTERPRET_CASES[case]
+    x, w, dy, group_sizes = _random_problem(sorted(INTERPRET_CASES).index(case), m, 128, 128, sizes)
+    _check_fwd_bwd(x, w, dy, group_sizes, interpret=True, tuning=SMALL_TUNING)
+
+
+def test_interpret_bf16_output_and_default_tuning():
+    """Default (production) tiles in the interpreter, bf16 out, random sizes drawn fresh."""
+    rng = np.random.default_rng(7)
+    sizes = rng.multinomial(300, np.full(4, 0.25))
+    sizes[rng.integers(4)] = 0
+    x, w, _, group_sizes = _random_problem(11, 300, 128, 256, sizes)
+    y = grouped_gemm(x, w, group_sizes, interpret=True)
+    assert y.dtype == jnp.bfloat16
+    assert _rel_err(y, _ragged_dot_f32(x, w, group_sizes)) < 4e-3
+
+
+def test_reference_twin_matches_ragged_dot_including_grads():
+    x, w, dy, group_sizes = _random_problem(3, 40, 16, 24, [9, 0, 20, 5])
+    x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+    got, got_vjp = jax.vjp(lambda x, w: grouped_gemm_reference(x, w, group_sizes), x, w)
+    want, want_vjp = jax.vjp(lambda x, w: _ragged_dot_f32(x, w, group_sizes), x, w)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_vjp(dy), want_vjp(dy)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got)[34:] == 0.0)
+
+
+def test_default_tuning_fits_the_paper_expert_shapes():
+    for k, n in [(4096, 14336), (6144, 16384), (4096, 6400), (2048, 1408), (6400, 18304)]:
+        t = default_tuning(8192, k, n, 8)
+        assert n % t.fwd.cta_n == 0 and k % t.dgrad.cta_n == 0
+        assert k % t.wgrad.cta_m == 0 and n % t.wgrad.cta_n == 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(x=(64, 96)), "K=96 but w_GKN has K=128"),
+    (dict(x_dtype=jnp.float32), "must share dtype"),
+    (dict(sizes=(3,)), r"shape \(2,\)"),
+    (dict(sizes_dtype=jnp.float32), "integer vector"),
+    (dict(w=(2, 128, 96)), "96 must be a multiple of 64"),
+    (dict(out=jnp.int8), "preferred_element_type"),
+])
+def test_bad_input_raises_clear_value_error(bad, match):
+    x = jnp.zeros(bad.get("x", (64, 128)), bad.get("x_dtype", jnp.bfloat16))
+    w = jnp.zeros(bad.get("w", (2, 128, 128)), jnp.bfloat16)
+    sizes = jnp.zeros(bad.get("sizes", (2,)), bad.get("sizes_dtype", jnp.int32))
+    with pytest.raises(ValueError, match=match):
+        grouped_gemm(x, w, sizes, preferred_element_type=bad.get("out"), interpret=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU (H200): real kernels, default tuning
+# ----------------------------------------------------------------------------------------------------
+def _poison_device_memory(nbytes):
+    """Fill and free a NaN buffer so the allocator hands the kernel outputs dirty memory."""
+    jnp.full((nbytes // 4,), jnp.nan, jnp.float32).block_until_ready()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", [
+    [700, 0, 1500, 33, 0, 900, 1, 400],     # ragged with empty groups and a tail (sum 3534 < 4096)
+    [0, 0, 4096, 0, 0, 0, 0, 0],             # all tokens in one group
+    [512] * 8,                                # uniform, tile aligned
+])
+def test_gpu_forward_and_gradients_match_ragged_dot(sizes):
+    x, w, dy, group_sizes = _random_problem(sum(sizes) + len(sizes), 4096, 512, 1024, sizes)
+    _poison_device_memory(64 << 20)
+    _check_fwd_bwd(x, w, dy, group_sizes)
+
+
+@pytest.mark.gpu
+def test_gpu_fine_grained_shape_bf16_forward():
+    rng = np.random.default_rng(5)
+    sizes = rng.multinomial(8192, rng.dirichlet(np.ones(16)))
+    x, w, _, group_sizes = _random_problem(17, 8192, 2048, 1408, sizes)
+    _poison_device_memory(64 << 20)
+    y = grouped_gemm(x, w, group_sizes)
+    assert _rel_err(y, _ragged_dot_f32(x, w, group_sizes)) < 4e-3
