@@ -80,7 +80,7 @@ def build_trainer(cfg: config_lib.Config, devices=None) -> Trainer:
                                           transform_non_params=lambda _: replicated)
     shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    return Trainer(cfg, plan, mesh, graphdef, optimizer, shardings, abstract, layout_for(cfg, plan))
+    return Trainer(cfg, plan, mesh, graphdef, optimizer, shardings, abstract, layout_for(cfg, plan, mesh))
 
 
 def _abstract(init_state):
@@ -108,15 +108,18 @@ def create_state(trainer: Trainer):
 
 
 # ------------------------------------------------------------------------------------------------ step
+def model_objective(graphdef, layout, moe_cfg):
+    """fn(params, batch) -> (loss, metrics) for `layout.evaluate` (which may run it per device)."""
+    return lambda params, batch: objective(nnx.merge(graphdef, params), batch, layout, moe_cfg)
+
+
 def make_train_step(trainer: Trainer):
     cfg, graphdef, layout, optimizer = trainer.cfg, trainer.graphdef, trainer.layout, trainer.optimizer
     schedule = learning_rate_schedule(cfg.train)
-    loss_fn = layout.wrap_objective(objective, trainer.mesh) if hasattr(layout, "wrap_objective") else objective
+    loss_fn = model_objective(graphdef, layout, cfg.model.moe)
 
     def step_fn(state, batch):
-        def loss_of(params):
-            return loss_fn(nnx.merge(graphdef, params), batch, layout, cfg.model.moe)
-
+        loss_of = lambda params: layout.evaluate(loss_fn, params, batch)  # noqa: E731
         (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
@@ -132,10 +135,10 @@ def make_train_step(trainer: Trainer):
 
 def make_eval_step(trainer: Trainer):
     cfg, graphdef, layout = trainer.cfg, trainer.graphdef, trainer.layout
-    loss_fn = layout.wrap_objective(objective, trainer.mesh) if hasattr(layout, "wrap_objective") else objective
+    loss_fn = model_objective(graphdef, layout, cfg.model.moe)
 
     def eval_fn(params, batch):
-        return loss_fn(nnx.merge(graphdef, params), batch, layout, cfg.model.moe)[1]["ce"]
+        return layout.evaluate(loss_fn, params, batch)[1]["ce"]
 
     batch_sharding = trainer.plan.batch_sharding(trainer.mesh)
     return jax.jit(eval_fn, in_shardings=(trainer.state_shardings["params"],

@@ -19,6 +19,22 @@ class LocalLayout:
     attention_impl: str = "xla"     # xla | cudnn (jax.nn.dot_product_attention's implementation)
     grouped_gemm: str = "xla"       # xla | pallas
 
+    def evaluate(self, fn, params, batch):
+        """Runs fn(params, batch) -> (loss, metrics); on one device / under XLA, directly."""
+        return fn(params, batch)
+
+    def token_mean(self, x):
+        """Mean over this device's tokens -> mean over the batch's tokens."""
+        return x
+
+    def batch_sum(self, counts):
+        """Per-expert counts already summed over the intra domain -> summed over the whole batch."""
+        return counts
+
+    def device_sum(self, x):
+        """A per-device count -> the sum over all devices."""
+        return x
+
     def attention_input(self, x_BSD):
         return x_BSD
 
@@ -35,6 +51,12 @@ class LocalLayout:
     def attention_proj_out(self, y_BSD):
         return y_BSD
 
+    def ffn_input(self, x_BSD):
+        return x_BSD
+
+    def ffn_output(self, y_BSD):
+        return y_BSD
+
     def expert_ffn(self, x_TD, routing, experts, num_experts: int):
         """Dropless: every routed assignment is computed. Returns (y_TD, dropped=0, tokens_per_expert)."""
         x_sorted, group_sizes, order = sort_by_expert(x_TD, routing.idx_TK, num_experts)
@@ -43,7 +65,7 @@ class LocalLayout:
         return y_TD, jnp.zeros((), jnp.int32), routing.tokens_per_expert_E
 
 
-def layout_for(cfg, plan):
+def layout_for(cfg, plan, mesh):
     """The layout a config and plan call for: local hooks under the XLA plan, shard_map hooks under manual."""
     from megascale_jax.model.moe.experts import resolve_grouped_gemm
 
@@ -54,4 +76,7 @@ def layout_for(cfg, plan):
     grouped = resolve_grouped_gemm(cfg.parallel.grouped_gemm)
     if plan.kind == "xla":
         return LocalLayout(attention_impl=attention_impl, grouped_gemm=grouped)
-    raise NotImplementedError("the manual SP/EP/TP plan is being wired in (issue 3); use config.parallel.plan='xla'")
+    from megascale_jax.model.manual_layout import ManualLayout
+
+    return ManualLayout(attention_impl=attention_impl, grouped_gemm=grouped, plan=plan, mesh=mesh,
+                        num_heads=cfg.model.num_heads)

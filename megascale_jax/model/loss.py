@@ -17,11 +17,16 @@ def cross_entropy(logits_BSV, targets_BS):
 
 
 def objective(model, batch, layout, moe_cfg):
-    """Returns (total loss, metrics). Metrics: ce, aux_loss, z_loss (layer means), tokens_per_expert, dropped."""
+    """Returns (total loss, metrics). Metrics: ce, aux_loss, z_loss (layer means), tokens_per_expert, dropped.
+
+    Under a manual layout this runs per device inside shard_map: `layout.token_mean` / `batch_sum` /
+    `device_sum` turn this device's values into the batch's, so every device returns the global loss.
+    """
     logits, stats = model(batch["inputs"], layout)
-    ce = cross_entropy(logits, batch["targets"])
+    ce = layout.token_mean(cross_entropy(logits, batch["targets"]))
     aux, z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
     total = ce + moe_cfg.aux_loss_weight * aux + moe_cfg.z_loss_weight * z
     metrics = {"ce": ce, "aux_loss": aux, "z_loss": z,
-               "tokens_per_expert": stats["tokens_per_expert"], "dropped_tokens": jnp.sum(stats["dropped_tokens"])}
+               "tokens_per_expert": layout.batch_sum(stats["tokens_per_expert"]),
+               "dropped_tokens": layout.device_sum(jnp.sum(stats["dropped_tokens"]))}
     return total, metrics

@@ -40,8 +40,8 @@ class Block(nnx.Module):
         if self.is_moe:
             y, stats = self.ffn(h, layout)
         else:
-            batch, seq, dim = h.shape
-            y = self.ffn(h.reshape(batch * seq, dim)).reshape(h.shape)
+            h = layout.ffn_input(h)
+            y = layout.ffn_output(self.ffn(h.reshape(-1, h.shape[-1])).reshape(h.shape))
             stats = None
         return x_BSD + y, stats
 

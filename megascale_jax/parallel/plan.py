@@ -62,6 +62,7 @@ class ParallelPlan:
             rules["experts"] = INTRA            # whole experts per rank (EP)
         if self.kind == "manual" and self.ffn == "tp":
             rules["expert_ffn"] = INTRA         # Megatron-style: expert FFN width sharded
+            rules["ffn"] = INTRA                # ... and so are shared experts and dense layers
         if self.kind == "manual" and self.attention == "tp":
             rules["heads"] = INTRA
             rules["kv_heads"] = INTRA

@@ -26,12 +26,13 @@ class MoEFFN(nnx.Module):
 
     def __call__(self, x_BSD, layout):
         """Returns (y_BSD, stats) with stats: aux_loss, z_loss, tokens_per_expert, dropped_tokens."""
+        x_BSD = layout.ffn_input(x_BSD)
         batch, seq, dim = x_BSD.shape
         x_TD = x_BSD.reshape(batch * seq, dim)
-        routing = self.router(x_TD)
+        routing = self.router(x_TD, layout.token_mean)
         y_TD, dropped, tokens_per_expert = layout.expert_ffn(x_TD, routing, self.experts, self.num_experts)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
         stats = {"aux_loss": routing.aux_loss, "z_loss": routing.z_loss,
                  "tokens_per_expert": tokens_per_expert, "dropped_tokens": dropped}
-        return y_TD.reshape(batch, seq, dim), stats
+        return layout.ffn_output(y_TD.reshape(batch, seq, dim)), stats

@@ -31,26 +31,35 @@ class Routing:
 jax.tree_util.register_dataclass(Routing)
 
 
-def balance_loss(probs_TE, idx_TK, group_size: int):
-    """Grouped balance loss; group g holds experts [g*group_size, (g+1)*group_size)."""
+def _local_mean(x):
+    return x
+
+
+def balance_loss(probs_TE, idx_TK, group_size: int, token_mean=_local_mean):
+    """Grouped balance loss; group g holds experts [g*group_size, (g+1)*group_size).
+
+    `token_mean` turns a mean over this device's tokens into the mean over all tokens of the batch (identity
+    on one device), so f and P are global before their product, as on one device.
+    """
     num_tokens, num_experts = probs_TE.shape
     num_groups = num_experts // group_size
     counts_E = jnp.zeros((num_experts,), jnp.float32).at[idx_TK.reshape(-1)].add(1.0)
-    frac_G = counts_E.reshape(num_groups, group_size).sum(-1) / idx_TK.size
-    prob_G = probs_TE.reshape(num_tokens, num_groups, group_size).sum(-1).mean(0)
+    frac_G = token_mean(counts_E.reshape(num_groups, group_size).sum(-1) / idx_TK.size)
+    prob_G = token_mean(probs_TE.reshape(num_tokens, num_groups, group_size).sum(-1).mean(0))
     return num_groups * jnp.sum(frac_G * prob_G)
 
 
-def route(logits_TE, top_k: int, renormalize: bool, group_size: int) -> Routing:
+def route(logits_TE, top_k: int, renormalize: bool, group_size: int, token_mean=_local_mean) -> Routing:
     """Pure routing math (float32), separated from the module so tests can feed hand-built logits."""
     logits_TE = logits_TE.astype(jnp.float32)
     probs_TE = jax.nn.softmax(logits_TE, axis=-1)
     weight_TK, idx_TK = jax.lax.top_k(probs_TE, top_k)
     if renormalize:
         weight_TK = weight_TK / jnp.sum(weight_TK, axis=-1, keepdims=True)
-    z_loss = jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2)
+    z_loss = token_mean(jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2))
     counts = jnp.zeros((logits_TE.shape[-1],), jnp.int32).at[idx_TK.reshape(-1)].add(1)
-    return Routing(idx_TK.astype(jnp.int32), weight_TK, balance_loss(probs_TE, idx_TK, group_size), z_loss, counts)
+    aux = balance_loss(probs_TE, idx_TK, group_size, token_mean)
+    return Routing(idx_TK.astype(jnp.int32), weight_TK, aux, z_loss, counts)
 
 
 class Router(nnx.Module):
@@ -60,6 +69,6 @@ class Router(nnx.Module):
         self.w_DE = param(rngs, (dim, num_experts), ("embed", None), jnp.float32)
         self.top_k, self.renormalize, self.group_size = top_k, renormalize, group_size
 
-    def __call__(self, x_TD) -> Routing:
+    def __call__(self, x_TD, token_mean=_local_mean) -> Routing:
         logits = jnp.dot(x_TD.astype(jnp.float32), self.w_DE[...], preferred_element_type=jnp.float32)
-        return route(logits, self.top_k, self.renormalize, self.group_size)
+        return route(logits, self.top_k, self.renormalize, self.group_size, token_mean)
