@@ -32,13 +32,6 @@ from megascale_jax.optim import learning_rate_schedule, make_optimizer
 from megascale_jax.parallel import distributed
 from megascale_jax.parallel.plan import ParallelPlan
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_cpu.py", "configs/<model>.py to train.")
-_PROFILE = flags.DEFINE_bool("profile", False, "Trace steps [5, 8) with jax.profiler (unless "
-                             "config.profile.start_step is set) into <output>/profile.")
-_COORDINATOR = flags.DEFINE_string("coordinator", None, "host:port of process 0 (multi-host without SLURM).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Process count (multi-host without SLURM).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-host without SLURM).")
-
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -248,15 +241,27 @@ def _banner(cfg, trainer, size, peak, source) -> None:
     print("\n".join(lines), flush=True)
 
 
+def define_flags() -> None:
+    """Command-line flags; defined only when this module is the program (others import it freely)."""
+    config_flags.DEFINE_config_file("config", "configs/tiny_cpu.py", "configs/<model>.py to train.")
+    flags.DEFINE_bool("profile", False, "Trace steps [5, 8) with jax.profiler (unless config.profile.start_step "
+                      "is set) into <output>/profile.")
+    flags.DEFINE_string("coordinator", None, "host:port of process 0 (multi-host without SLURM).")
+    flags.DEFINE_integer("num_processes", None, "Process count (multi-host without SLURM).")
+    flags.DEFINE_integer("process_id", None, "This process's index (multi-host without SLURM).")
+
+
 def main(argv) -> None:
     del argv
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    f = flags.FLAGS
+    distributed.initialize(f.coordinator, f.num_processes, f.process_id)
     try:
-        cfg = config_lib.from_config_dict(_CONFIG.value, num_devices=jax.device_count())
+        cfg = config_lib.from_config_dict(f.config, num_devices=jax.device_count())
     except config_lib.ConfigError as err:
         sys.exit(f"config error: {err}")
-    run(cfg, profile=_PROFILE.value)
+    run(cfg, profile=f.profile)
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -35,14 +35,19 @@ class Block(nnx.Module):
             self.ffn = DenseMLP(m.hidden, m.dense_ffn, param_dtype, rngs)
 
     def __call__(self, x_BSD, layout):
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), layout)
-        h = self.ffn_norm(x_BSD)
-        if self.is_moe:
-            y, stats = self.ffn(h, layout)
-        else:
-            h = layout.ffn_input(h)
-            y = layout.ffn_output(self.ffn(h.reshape(-1, h.shape[-1])).reshape(h.shape))
-            stats = None
+        # Named scopes reach the compiled HLO's op_name metadata; the communication analyzer attributes
+        # collectives to components by them.
+        kind = "moe_block" if self.is_moe else "dense_block"
+        with jax.named_scope(f"{kind}/attention"):
+            x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), layout)
+        with jax.named_scope(f"{kind}/ffn"):
+            h = self.ffn_norm(x_BSD)
+            if self.is_moe:
+                y, stats = self.ffn(h, layout)
+            else:
+                h = layout.ffn_input(h)
+                y = layout.ffn_output(self.ffn(h.reshape(-1, h.shape[-1])).reshape(h.shape))
+                stats = None
         return x_BSD + y, stats
 
 
