@@ -73,7 +73,7 @@ def layout_for(cfg, plan, mesh):
     if attention_impl == "auto":
         gpu_bf16 = jax.default_backend() == "gpu" and cfg.train.compute_dtype == "bfloat16"
         attention_impl = "cudnn" if gpu_bf16 else "xla"
-    grouped = resolve_grouped_gemm(cfg.parallel.grouped_gemm)
+    grouped = resolve_grouped_gemm(cfg.parallel.grouped_gemm, cfg.train.compute_dtype)
     if plan.kind == "xla":
         return LocalLayout(attention_impl=attention_impl, grouped_gemm=grouped)
     from megascale_jax.model.manual_layout import ManualLayout

@@ -28,11 +28,11 @@ def grouped_gemm(x_MK, w_GKN, group_sizes_G, implementation: str = "xla"):
                      f"{', '.join(GROUPED_GEMM_IMPLEMENTATIONS)} (config.parallel.grouped_gemm).")
 
 
-def resolve_grouped_gemm(choice: str) -> str:
-    """`auto` = the Pallas kernel on GPU, the XLA reference elsewhere (the kernel is Hopper-only)."""
+def resolve_grouped_gemm(choice: str, compute_dtype: str) -> str:
+    """`auto` = the Pallas kernel on GPU with 16-bit compute (what it is written for), else the XLA reference."""
     if choice != "auto":
         return choice
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return "pallas" if jax.default_backend() == "gpu" and compute_dtype in ("bfloat16", "float16") else "xla"
 
 
 class SwiGLUExperts(nnx.Module):
