@@ -367,11 +367,39 @@ def _weight_grad(x, dy, group_sizes, out_dtype, cfg, num_sms, interpret):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _grouped_gemm(x, w, group_sizes, out_dtype, interpret, tuning):
     sms = _num_sms(tuning, interpret)
-    return _ragged_matmul(x, w, group_sizes, out_dtype, tuning.fwd, False, sms, interpret)
+    y = _ragged_matmul(x, w, group_sizes, out_dtype, tuning.fwd, False, sms, interpret)
+    return _vary_like(y, x, w, group_sizes)
 
 
 def _grouped_gemm_fwd(x, w, group_sizes, out_dtype, interpret, tuning):
     return _grouped_gemm(x, w, group_sizes, out_dtype, interpret, tuning), (x, w, group_sizes)
+
+
+def _varying_axes(x) -> frozenset:
+    """Mesh axes x varies along inside shard_map (empty outside); jax 0.11 keeps them in `aval.mat`."""
+    aval = jax.typeof(x)
+    if hasattr(aval, "vma"):
+        return frozenset(aval.vma)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def _vary_like(out, *inputs):
+    """Types a kernel output as varying along every mesh axis its inputs vary along (the standard rule):
+    the Mosaic GPU call returns values typed as replicated inside shard_map even when they differ."""
+    axes = frozenset().union(*(_varying_axes(a) for a in inputs)) - _varying_axes(out)
+    return lax.pcast(out, tuple(sorted(axes)), to="varying") if axes else out
+
+
+def _match_varying(cotangent, primal, *computed_from):
+    """Gives a cotangent its primal's shard_map type, as custom_vjp requires: axes along which the
+    contributions differ (those of `computed_from`) but the primal is replicated are summed, the
+    transpose of replication; axes the primal varies along are kept."""
+    want = _varying_axes(primal)
+    have = frozenset().union(*(_varying_axes(a) for a in computed_from))
+    if have - want:
+        cotangent = lax.psum(_vary_like(cotangent, *computed_from), tuple(sorted(have - want)))
+    return _vary_like(cotangent, primal)
 
 
 def _grouped_gemm_bwd(out_dtype, interpret, tuning, residuals, dy):
@@ -380,7 +408,8 @@ def _grouped_gemm_bwd(out_dtype, interpret, tuning, residuals, dy):
     sms = _num_sms(tuning, interpret)
     dx = _ragged_matmul(dy, w, group_sizes, x.dtype, tuning.dgrad, True, sms, interpret)
     dw = _weight_grad(x, dy, group_sizes, w.dtype, tuning.wgrad, sms, interpret)
-    return dx, dw, np.zeros(group_sizes.shape, jax.dtypes.float0)
+    return (_match_varying(dx, x, dy, w, group_sizes), _match_varying(dw, w, x, dy, group_sizes),
+            np.zeros(group_sizes.shape, jax.dtypes.float0))
 
 
 _grouped_gemm.defvjp(_grouped_gemm_fwd, _grouped_gemm_bwd)
@@ -418,6 +447,15 @@ def _validate(x_MK, w_GKN, group_sizes_G, preferred_element_type, tuning):
     _check_tiling("dgrad", dgrad, [("K", k, dgrad.cta_n), ("N", n, dgrad.tile_k)], "input gradient")
     _check_tiling("wgrad", wgrad, [("K", k, wgrad.cta_m), ("N", n, wgrad.cta_n)], "weight gradient")
     return out_dtype, tuning
+
+
+def unsupported_reason(x_MK, w_GKN) -> str | None:
+    """Why the kernel cannot take these operands (dtype, alignment), or None when it can."""
+    try:
+        _validate(x_MK, w_GKN, jnp.zeros((w_GKN.shape[0],), jnp.int32), None, None)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def grouped_gemm(x_MK, w_GKN, group_sizes_G, preferred_element_type=None, interpret=False, tuning=None):

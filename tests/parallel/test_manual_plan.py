@@ -75,3 +75,24 @@ def test_training_with_the_manual_plan_matches_the_xla_plan(tmp_path):
     manual = run(default_config("tiny_cpu", num_devices=8, **common, **{
         "output.dir": str(tmp_path / "m"), "parallel.plan": "manual", "parallel.intra": 4}))
     np.testing.assert_allclose([l["loss"] for l in manual], [l["loss"] for l in xla], rtol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skip(reason="on 2 H200s (2026-11-30) XLA segfaulted compiling the single-device bf16 reference "
+                  "of this test; un-skip when investigating (the issue notes have the log)")
+@pytest.mark.parametrize("attention,ffn", [("sp", "ep"), ("tp", "tp"), ("tp", "ep"), ("sp", "tp")])
+def test_gpu_manual_plan_with_the_pallas_kernel_matches_one_device(attention, ffn):
+    """On the GPUs present: the manual plan with the Pallas grouped GEMM vs one device with lax.ragged_dot."""
+    n = len(jax.devices())
+    if n < 2:
+        pytest.skip("needs 2 or more GPUs")
+    gpu = {"train.compute_dtype": "bfloat16", "model.hidden": 256, "model.num_heads": 4, "model.num_kv_heads": 2,
+           "model.moe.expert_ffn": 256, "model.dense_ffn": 256, "train.seq_len": 128}
+    _, ref_metrics, ref = _loss_and_grads({**gpu, "parallel.grouped_gemm": "xla"}, jax.devices()[:1])
+    _, metrics, got = _loss_and_grads({**gpu, "parallel.grouped_gemm": "pallas", "parallel.plan": "manual",
+                                       "parallel.attention": attention, "parallel.ffn": ffn,
+                                       "parallel.intra": 2}, jax.devices()[:2])
+    assert float(metrics["ce"]) == pytest.approx(float(ref_metrics["ce"]), rel=1e-2)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref)):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        assert np.abs(g - r).max() <= 5e-2 * np.abs(r).max() + 1e-6, jax.tree_util.keystr(path)
