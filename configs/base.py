@@ -52,6 +52,10 @@ def get_config() -> ConfigDict:
     c.parallel.dispatch_crossover_top_k = 6   # auto uses all_gather when top_k > this (paper: > 6)
     c.parallel.grouped_gemm = "auto"  # xla (lax.ragged_dot) | pallas (Mosaic GPU kernel) | auto
     c.parallel.attention_impl = "auto"  # xla | cudnn | auto (cudnn on GPU with bf16)
+    # none: optimizer state replicated, gradients reduced by the compiler in fp32.
+    # zero1: optimizer state sharded over `data` (ZeRO-1); gradients reduce-scattered as grad_comm says.
+    c.parallel.optimizer_sharding = "none"
+    c.parallel.grad_comm = "fp32"     # fp32 | bf16 | fp8 on the wire, summed locally in fp32 (zero1 only)
 
     c.train = ConfigDict()
     c.train.steps = 100

@@ -65,6 +65,8 @@ class ParallelConfig:
     dispatch_crossover_top_k: int
     grouped_gemm: str
     attention_impl: str
+    optimizer_sharding: str
+    grad_comm: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +205,7 @@ _CHOICES = {
     "parallel.plan": ("xla", "manual"), "parallel.attention": ("sp", "tp"), "parallel.ffn": ("ep", "tp"),
     "parallel.ep_dispatch": ("all_to_all", "all_gather", "auto"), "parallel.grouped_gemm": ("xla", "pallas", "auto"),
     "parallel.attention_impl": ("xla", "cudnn", "auto"), "train.remat": ("none", "full", "selective"),
+    "parallel.optimizer_sharding": ("none", "zero1"), "parallel.grad_comm": ("fp32", "bf16", "fp8"),
     "train.param_dtype": ("float32", "bfloat16"), "train.compute_dtype": ("float32", "bfloat16"),
     "data.source": ("text", "tokens", "synthetic"), "data.dtype": ("uint16", "uint32"),
 }
@@ -255,12 +258,26 @@ def validate(cfg: Config) -> None:
                f"config.train.global_batch={t.global_batch} is not divisible by the data-parallel size "
                f"{p.data}; use a multiple of {p.data}.")
     _validate_intra(cfg)
+    _validate_zero(cfg)
     _check(p.pipe == 1, f"config.parallel.pipe={p.pipe}: pipeline stages are not wired into the trainer yet; "
            "use pipe=1 (the schedules live in megascale_jax/parallel/pipeline.py).")
     _check(cfg.data.source != "tokens" or cfg.data.path,
            "config.data.source='tokens' needs config.data.path (a flat uint16/uint32 token file).")
     _check(m.vocab_size >= 256 or cfg.data.source != "text",
            f"config.model.vocab_size={m.vocab_size} is below the byte tokenizer's 256 for data.source='text'.")
+
+
+def _validate_zero(cfg: Config) -> None:
+    p = cfg.parallel
+    if p.optimizer_sharding == "none":
+        _check(p.grad_comm == "fp32", f"config.parallel.grad_comm={p.grad_comm!r} compresses the ZeRO-1 "
+               "reduce-scatter; set config.parallel.optimizer_sharding='zero1' (or grad_comm='fp32').")
+        return
+    _check(p.plan == "manual", "config.parallel.optimizer_sharding='zero1' runs the step per device: set "
+           "config.parallel.plan='manual'.")
+    _check(p.intra == 1, f"config.parallel.optimizer_sharding='zero1' with parallel.intra={p.intra} is not "
+           "implemented yet (ZeRO-1 flattens replicated parameters; expert shards differ per intra rank); "
+           "use intra=1 or optimizer_sharding='none'.")
 
 
 def _validate_intra(cfg: Config) -> None:

@@ -22,3 +22,32 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
         optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity(),
         optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask),
     )
+
+
+def make_flat_optimizer(train_cfg, decay_mask_flat) -> optax.GradientTransformation:
+    """AdamW for ZeRO-1's flat parameter slices, equal to `make_optimizer` without its clipping (ZeRO-1
+    clips by the global norm itself). The weight-decay mask is a flat 0/1 vector kept *in the optimizer
+    state*, so ZeRO-1 shards it with the other state and each rank decays exactly its slice's matrices."""
+    t = train_cfg
+    return optax.chain(optax.scale_by_adam(b1=t.b1, b2=t.b2), _masked_weight_decay(t.weight_decay, decay_mask_flat),
+                       optax.scale_by_learning_rate(learning_rate_schedule(t)))
+
+
+def _masked_weight_decay(weight_decay: float, mask_flat) -> optax.GradientTransformation:
+    def init(params):
+        del params
+        return {"decay_mask": jax.numpy.asarray(mask_flat, jax.numpy.uint8)}   # 1 byte per parameter
+
+    def update(updates, state, params):
+        return updates + weight_decay * state["decay_mask"].astype(params.dtype) * params, state
+
+    return optax.GradientTransformation(init, update)
+
+
+def flat_decay_mask(params, length: int):
+    """1.0 on every element of a matrix (ndim >= 2), 0.0 elsewhere and on the padding, in ravel order."""
+    import numpy as np
+
+    leaves = jax.tree.leaves(params)
+    mask = np.concatenate([np.full(p.size, 1 if p.ndim >= 2 else 0, np.uint8) for p in leaves])
+    return np.pad(mask, (0, length - mask.size))

@@ -15,6 +15,7 @@ from ml_collections import config_flags
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import optax
 from flax import nnx
@@ -28,9 +29,10 @@ from megascale_jax.model.accounting import model_size
 from megascale_jax.model.layout import layout_for
 from megascale_jax.model.loss import objective
 from megascale_jax.model.transformer import Transformer
-from megascale_jax.optim import learning_rate_schedule, make_optimizer
+from megascale_jax.optim import flat_decay_mask, learning_rate_schedule, make_flat_optimizer, make_optimizer
 from megascale_jax.parallel import distributed
-from megascale_jax.parallel.plan import ParallelPlan
+from megascale_jax.parallel.plan import DATA, ParallelPlan
+from megascale_jax.parallel.zero import Zero1
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -47,6 +49,7 @@ class Trainer:
     state_shardings: dict
     abstract_state: dict
     layout: object
+    zero: Zero1 | None = None   # ZeRO-1 (config.parallel.optimizer_sharding='zero1'): wraps `optimizer`
 
 
 def _new_model(cfg) -> Transformer:
@@ -69,11 +72,26 @@ def build_trainer(cfg: config_lib.Config, devices=None) -> Trainer:
     graphdef, abstract = _abstract(init_state)
     param_shardings = plan.param_shardings(nnx.get_partition_spec(abstract["params"]), mesh)
     replicated = NamedSharding(mesh, P())
-    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract["opt_state"], param_shardings,
-                                          transform_non_params=lambda _: replicated)
+    zero = None
+    if cfg.parallel.optimizer_sharding == "zero1":
+        zero, abstract["opt_state"], opt_shardings = _zero1(cfg, abstract["params"], mesh)
+    else:
+        opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract["opt_state"], param_shardings,
+                                              transform_non_params=lambda _: replicated)
     shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    return Trainer(cfg, plan, mesh, graphdef, optimizer, shardings, abstract, layout_for(cfg, plan, mesh))
+    return Trainer(cfg, plan, mesh, graphdef, optimizer, shardings, abstract, layout_for(cfg, plan, mesh), zero)
+
+
+def _zero1(cfg, abstract_params, mesh):
+    """ZeRO-1 over the data axis: the optimizer and the shapes/shardings of its flat, sharded state."""
+    dp = mesh.shape[DATA]
+    probe = Zero1(optax.identity(), DATA)
+    length = probe.flat_length(abstract_params, dp)
+    optimizer = make_flat_optimizer(cfg.train, flat_decay_mask(abstract_params, length))
+    zero = Zero1(optimizer, DATA, cfg.parallel.grad_comm, cfg.train.grad_clip or None)
+    abstract_opt = jax.eval_shape(optimizer.init, jax.ShapeDtypeStruct((length,), jnp.float32))
+    return zero, abstract_opt, zero.state_shardings(mesh, abstract_opt)
 
 
 def _abstract(init_state):
@@ -93,6 +111,11 @@ def create_state(trainer: Trainer):
     """Initialises the state directly with its shardings: no full copy ever sits on one device."""
     cfg, optimizer = trainer.cfg, trainer.optimizer
 
+    if trainer.zero is not None:
+        params = jax.jit(lambda: nnx.state(_new_model(cfg)), out_shardings=trainer.state_shardings["params"])()
+        return {"params": params, "opt_state": trainer.zero.init(params, trainer.mesh),
+                "step": jax.device_put(jnp.zeros((), jnp.int32), trainer.state_shardings["step"])}
+
     def init():
         params = nnx.state(_new_model(cfg))
         return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
@@ -106,6 +129,44 @@ def model_objective(graphdef, layout, moe_cfg):
     return lambda params, batch: objective(nnx.merge(graphdef, params), batch, layout, moe_cfg)
 
 
+def _expert_load(metrics):
+    load = jnp.sum(metrics.pop("tokens_per_expert"), axis=0).astype(jnp.float32)
+    return jnp.max(load) / jnp.maximum(jnp.mean(load), 1.0)
+
+
+def _zero1_step_fn(trainer: Trainer):
+    """The whole step per device: local gradients, then ZeRO-1's compressed reduce-scatter and update."""
+    cfg, zero, layout = trainer.cfg, trainer.zero, trainer.layout
+    loss_fn = model_objective(trainer.graphdef, layout, cfg.model.moe)
+    schedule = learning_rate_schedule(cfg.train)
+
+    def body(params, opt_state, step, batch):
+        dp = lax.axis_size(DATA)
+        # Varying copies: their gradients stay this device's own (no implicit psum), as ZeRO-1 wants.
+        local = jax.tree.map(lambda p: lax.pcast(p, DATA, to="varying"), params)
+
+        def scaled(p):  # the loss is the global mean; x dp makes each device's gradient its local sum
+            loss, metrics = loss_fn(p, batch)
+            return loss * dp, (loss, metrics)
+
+        (_, (loss, metrics)), grads = jax.value_and_grad(scaled, has_aux=True)(local)
+        params, opt_state, stats = zero.step(params, grads, opt_state)
+        metrics.update(loss=loss, grad_norm=stats["grad_norm"], lr=schedule(step),
+                       expert_load_max_over_mean=_expert_load(metrics))
+        return params, opt_state, metrics
+
+    def step_fn(state, batch):
+        param_specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings["params"])
+        opt_specs = zero.state_specs(state["opt_state"])
+        batch_spec = trainer.plan.batch_spec()
+        run = jax.shard_map(body, mesh=trainer.mesh, in_specs=(param_specs, opt_specs, P(), batch_spec),
+                            out_specs=(param_specs, opt_specs, P()))
+        params, opt_state, metrics = run(state["params"], state["opt_state"], state["step"], batch)
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return step_fn
+
+
 def make_train_step(trainer: Trainer):
     cfg, graphdef, layout, optimizer = trainer.cfg, trainer.graphdef, trainer.layout, trainer.optimizer
     schedule = learning_rate_schedule(cfg.train)
@@ -116,11 +177,12 @@ def make_train_step(trainer: Trainer):
         (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        load = jnp.sum(metrics.pop("tokens_per_expert"), axis=0).astype(jnp.float32)
         metrics.update(loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]),
-                       expert_load_max_over_mean=jnp.max(load) / jnp.maximum(jnp.mean(load), 1.0))
+                       expert_load_max_over_mean=_expert_load(metrics))
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
+    if trainer.zero is not None:
+        step_fn = _zero1_step_fn(trainer)
     batch_sharding = trainer.plan.batch_sharding(trainer.mesh)
     return jax.jit(step_fn, in_shardings=(trainer.state_shardings, {"inputs": batch_sharding,
                    "targets": batch_sharding}), out_shardings=(trainer.state_shardings, None), donate_argnums=0)
