@@ -17,7 +17,7 @@ from megascale_jax.model.moe.dispatch import sort_by_expert, unsort_and_combine
 @dataclasses.dataclass(frozen=True)
 class LocalLayout:
     attention_impl: str = "xla"     # xla | cudnn (jax.nn.dot_product_attention's implementation)
-    grouped_gemm: str = "xla"       # xla | pallas
+    grouped_gemm: str = "xla"       # xla | pallas | auto (see model/moe/experts.py)
 
     def evaluate(self, fn, params, batch):
         """Runs fn(params, batch) -> (loss, metrics); on one device / under XLA, directly."""
@@ -67,13 +67,11 @@ class LocalLayout:
 
 def layout_for(cfg, plan, mesh):
     """The layout a config and plan call for: local hooks under the XLA plan, shard_map hooks under manual."""
-    from megascale_jax.model.moe.experts import resolve_grouped_gemm
-
     attention_impl = cfg.parallel.attention_impl
     if attention_impl == "auto":
         gpu_bf16 = jax.default_backend() == "gpu" and cfg.train.compute_dtype == "bfloat16"
         attention_impl = "cudnn" if gpu_bf16 else "xla"
-    grouped = resolve_grouped_gemm(cfg.parallel.grouped_gemm, cfg.train.compute_dtype)
+    grouped = cfg.parallel.grouped_gemm   # 'auto' is decided per call, by operand shapes and dtype
     if plan.kind == "xla":
         return LocalLayout(attention_impl=attention_impl, grouped_gemm=grouped)
     from megascale_jax.model.manual_layout import ManualLayout

@@ -13,11 +13,19 @@ from jax.ad_checkpoint import checkpoint_name
 
 from megascale_jax.model.layers import param
 
-GROUPED_GEMM_IMPLEMENTATIONS = ("xla", "pallas")
+GROUPED_GEMM_IMPLEMENTATIONS = ("xla", "pallas", "auto")
 
 
 def grouped_gemm(x_MK, w_GKN, group_sizes_G, implementation: str = "xla"):
-    """y[m] = x[m] @ w[g(m)] for rows sorted by group; rows past sum(group_sizes) are zeros."""
+    """y[m] = x[m] @ w[g(m)] for rows sorted by group; rows past sum(group_sizes) are zeros.
+
+    `auto`: the Pallas kernel when it takes these operands (GPU, bf16/f16, K and N aligned), else XLA.
+    """
+    if implementation == "auto":
+        from pallas_kernels.grouped_gemm import unsupported_reason
+
+        usable = jax.default_backend() == "gpu" and unsupported_reason(x_MK, w_GKN) is None
+        implementation = "pallas" if usable else "xla"
     if implementation == "xla":
         return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
     if implementation == "pallas":
@@ -28,11 +36,6 @@ def grouped_gemm(x_MK, w_GKN, group_sizes_G, implementation: str = "xla"):
                      f"{', '.join(GROUPED_GEMM_IMPLEMENTATIONS)} (config.parallel.grouped_gemm).")
 
 
-def resolve_grouped_gemm(choice: str, compute_dtype: str) -> str:
-    """`auto` = the Pallas kernel on GPU with 16-bit compute (what it is written for), else the XLA reference."""
-    if choice != "auto":
-        return choice
-    return "pallas" if jax.default_backend() == "gpu" and compute_dtype in ("bfloat16", "float16") else "xla"
 
 
 class SwiGLUExperts(nnx.Module):
