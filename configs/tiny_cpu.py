@@ -2,8 +2,8 @@
 
     python -m megascale_jax.train --config configs/tiny_cpu.py
 
-Expected: on 2 CPU cores, ~300 steps in a few minutes; the train loss falls from ~5.5 (ln 256) to below ~2.6
-and eval loss follows. Runs on any device count (data parallel over all of them).
+Expected: on 2 CPU cores, 300 steps in about 3 minutes; the train loss falls from ~5.8 to ~2.6 and the eval
+loss to ~2.9 (measured 2026-11-30: 2.61 / 2.89). Runs on any device count (data parallel over all of them).
 """
 from configs import base
 

@@ -25,7 +25,7 @@ def test_cli_two_steps_writes_metrics(tmp_path):
     cmd = [sys.executable, "-m", "megascale_jax.train", "--config", "configs/tiny_cpu.py",
            "--config.train.steps=2", "--config.train.warmup_steps=1", "--config.train.global_batch=8", "--config.train.seq_len=32",
            "--config.train.log_every=1", "--config.train.eval_every=2", "--config.train.eval_batches=1",
-           f"--config.output.dir={out}"]
+           "--config.profile.start_step=1", "--config.profile.num_steps=1", f"--config.output.dir={out}"]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -34,6 +34,8 @@ def test_cli_two_steps_writes_metrics(tmp_path):
     train_steps = [l["step"] for l in lines if l["split"] == "train"]
     assert train_steps == [1, 2]
     assert any(l["split"] == "eval" and np.isfinite(l["ce"]) for l in lines)
+    traces = [p for p in (out / "profile").rglob("*") if p.is_file()]
+    assert traces and all(p.stat().st_size > 0 for p in traces)      # the profiler wrote its trace
 
 
 def test_cli_bad_config_is_a_clear_error():

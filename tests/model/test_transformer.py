@@ -1,4 +1,5 @@
 """Whole-model properties: causality, remat modes agree, parameter and FLOP accounting."""
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,8 +68,7 @@ def test_remat_modes_give_identical_gradients(remat):
 
     (l0, g0), (l1, g1) = grads("none"), grads(remat)
     assert float(l0) == pytest.approx(float(l1), rel=1e-6)
-    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(g0, g1, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("tie", [False, True])
