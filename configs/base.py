@@ -44,7 +44,10 @@ def get_config() -> ConfigDict:
     c.parallel = ConfigDict()
     c.parallel.data = -1              # data-parallel size; -1 = all devices left after intra and pipe
     c.parallel.intra = 1              # size of the intra-node domain (SP / EP / TP group)
-    c.parallel.pipe = 1               # pipeline stages
+    c.parallel.pipe = 1               # pipeline stages (layers split over the 'pipe' mesh axis)
+    c.parallel.pipeline_schedule = "1f1b"   # gpipe | 1f1b | interleaved (pipe > 1)
+    c.parallel.num_microbatches = 1   # microbatches per step through the pipeline
+    c.parallel.virtual_stages = 1     # layer chunks per device (interleaved schedule)
     c.parallel.plan = "xla"           # xla: annotations + sharding propagation; manual: shard_map SP/EP/TP
     c.parallel.attention = "sp"       # sp (Ulysses) | tp (Megatron heads) — manual plan only
     c.parallel.ffn = "ep"             # ep (whole experts per rank) | tp (expert FFN width sharded)

@@ -58,6 +58,9 @@ class ParallelConfig:
     data: int
     intra: int
     pipe: int
+    pipeline_schedule: str
+    num_microbatches: int
+    virtual_stages: int
     plan: str
     attention: str
     ffn: str
@@ -259,12 +262,37 @@ def validate(cfg: Config) -> None:
                f"{p.data}; use a multiple of {p.data}.")
     _validate_intra(cfg)
     _validate_zero(cfg)
-    _check(p.pipe == 1, f"config.parallel.pipe={p.pipe}: pipeline stages are not wired into the trainer yet; "
-           "use pipe=1 (the schedules live in megascale_jax/parallel/pipeline.py).")
+    _validate_pipeline(cfg)
     _check(cfg.data.source != "tokens" or cfg.data.path,
            "config.data.source='tokens' needs config.data.path (a flat uint16/uint32 token file).")
     _check(m.vocab_size >= 256 or cfg.data.source != "text",
            f"config.model.vocab_size={m.vocab_size} is below the byte tokenizer's 256 for data.source='text'.")
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    p, m = cfg.parallel, cfg.model
+    if p.pipe == 1:
+        return
+    from megascale_jax.parallel.pipeline_schedules import validate_schedule_args
+
+    try:
+        validate_schedule_args(p.pipeline_schedule, p.pipe, p.num_microbatches, p.virtual_stages)
+    except ValueError as err:
+        raise ConfigError(f"config.parallel.pipeline_schedule / num_microbatches / virtual_stages: {err}") from err
+    _check(m.num_dense_layers == 0, f"config.parallel.pipe={p.pipe} needs config.model.num_dense_layers=0 (the "
+           "pipeline stages hold MoE blocks only).")
+    _check(m.num_moe_layers >= p.pipe * p.virtual_stages, f"config.model.num_layers={m.num_layers} is fewer "
+           f"than pipe x virtual_stages = {p.pipe * p.virtual_stages} layer chunks.")
+    _check(p.plan == "manual" or p.intra == 1, "config.parallel.pipe > 1 with intra > 1 needs "
+           "config.parallel.plan='manual' (SP/EP inside each stage).")
+    _check(p.optimizer_sharding == "none", "config.parallel.pipe > 1 with optimizer_sharding='zero1' is not "
+           "wired yet; use optimizer_sharding='none'.")
+    _check(m.moe.capacity_factor == 0, "config.parallel.pipe > 1 runs dropless only (the pipeline cannot "
+           "return dropped-token counts yet); set config.model.moe.capacity_factor=0.")
+    if p.data > 0:
+        _check(cfg.train.global_batch % (p.num_microbatches * p.data) == 0,
+               f"config.train.global_batch={cfg.train.global_batch} must be divisible by num_microbatches x data "
+               f"= {p.num_microbatches * p.data}.")
 
 
 def _validate_zero(cfg: Config) -> None:

@@ -28,6 +28,7 @@ from megascale_jax.checkpoint import Checkpointer
 from megascale_jax.model.accounting import model_size
 from megascale_jax.model.layout import layout_for
 from megascale_jax.model.loss import objective
+from megascale_jax.model.pipelined import bubble_report, pipeline_loss_and_grads
 from megascale_jax.model.transformer import Transformer
 from megascale_jax.optim import flat_decay_mask, learning_rate_schedule, make_flat_optimizer, make_optimizer
 from megascale_jax.parallel import distributed
@@ -167,18 +168,31 @@ def _zero1_step_fn(trainer: Trainer):
     return step_fn
 
 
+def _pipeline_loss_and_grads(trainer: Trainer, params, batch):
+    """Loss and gradients through the pipeline schedule (config.parallel.pipe > 1)."""
+    p = trainer.cfg.parallel
+    loss, metrics, grads = pipeline_loss_and_grads(
+        trainer.graphdef, params, batch, mesh=trainer.mesh, moe_cfg=trainer.cfg.model.moe, layout=trainer.layout,
+        schedule=p.pipeline_schedule, num_microbatches=p.num_microbatches, virtual_stages=p.virtual_stages)
+    return loss, metrics, jax.tree.map(lambda g, w: g.astype(w.dtype), grads, params)
+
+
 def make_train_step(trainer: Trainer):
     cfg, graphdef, layout, optimizer = trainer.cfg, trainer.graphdef, trainer.layout, trainer.optimizer
     schedule = learning_rate_schedule(cfg.train)
     loss_fn = model_objective(graphdef, layout, cfg.model.moe)
 
     def step_fn(state, batch):
-        loss_of = lambda params: layout.evaluate(loss_fn, params, batch)  # noqa: E731
-        (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"])
+        if cfg.parallel.pipe > 1:
+            loss, metrics, grads = _pipeline_loss_and_grads(trainer, state["params"], batch)
+        else:
+            loss_of = lambda params: layout.evaluate(loss_fn, params, batch)  # noqa: E731
+            (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics.update(loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]),
-                       expert_load_max_over_mean=_expert_load(metrics))
+        metrics.update(loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]))
+        if "tokens_per_expert" in metrics:   # the pipeline returns only the weighted MoE loss (moe_loss)
+            metrics["expert_load_max_over_mean"] = _expert_load(metrics)
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     if trainer.zero is not None:
@@ -295,7 +309,7 @@ def _banner(cfg, trainer, size, peak, source) -> None:
         f"devices: {trainer.mesh.devices.size} x {jax.devices()[0].device_kind} "
         f"(peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s bf16'})",
         f"mesh: data={p.data} pipe={p.pipe} intra={p.intra} | plan {p.kind} (attention {p.attention}, "
-        f"ffn {p.ffn}, dispatch {p.dispatch})",
+        f"ffn {p.ffn}, dispatch {p.dispatch})" + _pipeline_banner(cfg),
         f"model: {size.summary()}",
         f"data: {getattr(source, 'description', type(source).__name__)} | batch {cfg.train.global_batch} x "
         f"{cfg.train.seq_len} tokens",
@@ -311,6 +325,15 @@ def define_flags() -> None:
     flags.DEFINE_string("coordinator", None, "host:port of process 0 (multi-host without SLURM).")
     flags.DEFINE_integer("num_processes", None, "Process count (multi-host without SLURM).")
     flags.DEFINE_integer("process_id", None, "This process's index (multi-host without SLURM).")
+
+
+def _pipeline_banner(cfg) -> str:
+    p = cfg.parallel
+    if p.pipe == 1:
+        return ""
+    bubble = bubble_report(p.pipeline_schedule, p.pipe, p.num_microbatches, p.virtual_stages)
+    return (f" | pipeline {p.pipeline_schedule}, {p.num_microbatches} microbatches, virtual {p.virtual_stages}, "
+            f"bubble {bubble['bubble_fraction_formula']:.1%}")
 
 
 def main(argv) -> None:
