@@ -26,7 +26,11 @@ from jax.sharding import PartitionSpec as P
 from megascale_jax.model.layout import LocalLayout
 from megascale_jax.parallel import collectives
 from megascale_jax.parallel.expert_parallel import expert_parallel_ffn
-from megascale_jax.parallel.plan import DATA, INTRA, ParallelPlan
+from megascale_jax.parallel.plan import DATA, INTRA, PIPE, ParallelPlan
+
+
+def _without(spec: P, axis: str) -> P:
+    return P(*(None if entry == axis else entry for entry in spec))
 
 
 def _varying(x, axes) -> tuple[str, ...]:
@@ -45,8 +49,9 @@ class ManualLayout(LocalLayout):
     # ------------------------------------------------------------------ running per device
     def evaluate(self, fn, params, batch):
         """Runs fn per device in shard_map: params by their logical axes, the batch as (data, intra)."""
-        param_specs = jax.tree.map(lambda spec: self.plan.param_spec(tuple(spec)), nnx.get_partition_spec(params),
-                                   is_leaf=lambda x: isinstance(x, P))
+        # The whole model runs here (no pipeline): layers sharded over 'pipe' come in gathered.
+        param_specs = jax.tree.map(lambda spec: _without(self.plan.param_spec(tuple(spec)), PIPE),
+                                   nnx.get_partition_spec(params), is_leaf=lambda x: isinstance(x, P))
         batch_specs = jax.tree.map(lambda _: self.plan.batch_spec(), batch)
         run = jax.shard_map(fn, mesh=self.mesh, in_specs=(param_specs, batch_specs), out_specs=P())
         return run(params, batch)

@@ -275,11 +275,16 @@ class StageLayout:
     def to_stage_layout(self, layers_L):
         """Stacked layer params (leaves [L, ...]) -> stage layout (leaves [V, S, Lmax, ...], zero pads)."""
         index_VSL, active_VSL = self._layer_index_VSL()
+        # Equal chunks in layer order are a plain reshape: with the layers sharded in blocks over the
+        # pipeline axis (and one chunk per stage) every stage already holds its own layers, no gather.
+        in_order = bool(active_VSL.all()) and np.array_equal(index_VSL.reshape(-1), np.arange(self.num_layers))
 
         def one(leaf):
             if leaf.shape[0] != self.num_layers:
                 raise ValueError(f"a layer parameter has leading dim {leaf.shape[0]} but the layout "
                                  f"holds {self.num_layers} layers; stack one entry per layer.")
+            if in_order:
+                return leaf.reshape(index_VSL.shape + leaf.shape[1:])
             gathered = jnp.take(leaf, index_VSL, axis=0)
             keep = active_VSL.reshape(active_VSL.shape + (1,) * (leaf.ndim - 1))
             return jnp.where(keep, gathered, jnp.zeros((), leaf.dtype))

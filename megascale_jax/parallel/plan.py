@@ -32,14 +32,17 @@ class ParallelPlan:
     ffn: str = "ep"              # ep | tp   (manual only)
     dispatch: str = "all_to_all"  # all_to_all | all_gather (resolved, never auto)
     capacity_factor: float = 0.0
+    layers_over_pipe: bool = False   # stacked layers sharded in blocks over `pipe` (each stage its own)
 
     @classmethod
     def from_config(cls, cfg) -> "ParallelPlan":
         from megascale_jax.config import dispatch_mode
 
         p = cfg.parallel
+        # Block sharding of the layers matches the stages when every stage holds one contiguous chunk.
+        layers_over_pipe = p.pipe > 1 and p.virtual_stages == 1 and cfg.model.num_moe_layers % p.pipe == 0
         return cls(p.data, p.pipe, p.intra, p.plan, p.attention, p.ffn, dispatch_mode(cfg),
-                   cfg.model.moe.capacity_factor)
+                   cfg.model.moe.capacity_factor, layers_over_pipe)
 
     @property
     def num_devices(self) -> int:
@@ -57,7 +60,7 @@ class ParallelPlan:
 
     def logical_rules(self) -> dict[str, str | None]:
         """Logical parameter axis -> mesh axis (None = replicated)."""
-        rules: dict[str, str | None] = {"layers": None}
+        rules: dict[str, str | None] = {"layers": PIPE if self.layers_over_pipe else None}
         if self.intra > 1 and (self.kind == "xla" or self.ffn == "ep"):
             rules["experts"] = INTRA            # whole experts per rank (EP)
         if self.kind == "manual" and self.ffn == "tp":

@@ -1,5 +1,6 @@
 """Pipeline stages in the trainer: training with parallel.pipe = 2 equals training without (aux loss off, since
 the balance loss is computed per microbatch), alone and with SP+EP inside the stages."""
+import jax
 import numpy as np
 import pytest
 
@@ -24,6 +25,16 @@ def test_two_stage_pipeline_trains_like_no_pipeline(tmp_path):
                                              "parallel.plan": "manual", "parallel.intra": 2})
     # Summation order differs (all-to-alls, per-stage partial sums); Adam's normalised steps carry it on.
     np.testing.assert_allclose(sp_ep, plain, rtol=5e-5)
+
+
+def test_pipeline_stages_hold_only_their_layers():
+    cfg = default_config("tiny_cpu", num_devices=8, **COMMON, **{"parallel.pipe": 2, "parallel.num_microbatches": 2})
+    state = train.create_state(train.build_trainer(cfg))
+    for part in ("params", "opt_state"):
+        blocks = [x for x in jax.tree.leaves(state[part]) if x.ndim and x.shape[0] == cfg.model.num_layers]
+        assert blocks
+        for leaf in blocks:   # [layers, ...] split in two along the layers: half the bytes on each device
+            assert leaf.addressable_shards[0].data.nbytes * 2 == leaf.nbytes
 
 
 @pytest.mark.parametrize("overrides,needle", [
