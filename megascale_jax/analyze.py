@@ -133,6 +133,10 @@ def analyze(cfg, devices=None, *, full_step: bool = True) -> dict:
     p = cfg.parallel
     return {
         "config": cfg.name, "mesh": {"data": p.data, "pipe": p.pipe, "intra": p.intra},
+        "environment": {"jax": jax.__version__, "devices": f"{len(devices)} x {devices[0].device_kind}"},
+        "shapes": {"global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
+                   "hidden": cfg.model.hidden, "num_layers": cfg.model.num_layers,
+                   "compute_dtype": cfg.train.compute_dtype},
         "plan": {"kind": p.plan, "attention": p.attention, "ffn": p.ffn, "dispatch": trainer.plan.dispatch,
                  "capacity_factor": cfg.model.moe.capacity_factor},
         "per_layer_forward": collectives_by_component(forward.as_text(), len(devices)),
