@@ -100,3 +100,11 @@ def get_config() -> ConfigDict:
     c.profile.start_step = -1         # >= 0: write a jax.profiler trace of steps [start, start + num_steps)
     c.profile.num_steps = 3
     return c
+
+
+def large_scale_training(c: ConfigDict, **overrides) -> ConfigDict:
+    """The training schedule the paper-scale model configs share (override per model where it differs)."""
+    c.train.update(global_batch=256, seq_len=4096, learning_rate=3e-4, warmup_steps=2000, steps=100_000,
+                   eval_every=1000, log_every=10)
+    c.train.update(**overrides)
+    return c

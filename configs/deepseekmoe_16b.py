@@ -14,6 +14,5 @@ def get_config():
                    dense_ffn=10944, num_dense_layers=1, rope_theta=1e4, max_seq_len=4096)
     c.model.moe.update(num_experts=64, top_k=6, expert_ffn=1408, num_shared_experts=2,
                        shared_expert_ffn=1408, renormalize=False)
-    c.train.update(global_batch=256, seq_len=4096, learning_rate=4.2e-4, warmup_steps=2000,
-                   steps=100_000, eval_every=1000, log_every=10)
+    base.large_scale_training(c, learning_rate=4.2e-4)
     return c

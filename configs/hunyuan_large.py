@@ -14,6 +14,5 @@ def get_config():
                    dense_ffn=18304, rope_theta=1e4, max_seq_len=32768)
     c.model.moe.update(num_experts=16, top_k=1, expert_ffn=18304, num_shared_experts=1,
                        shared_expert_ffn=18304, renormalize=False)
-    c.train.update(global_batch=256, seq_len=4096, learning_rate=3e-4, warmup_steps=2000,
-                   steps=100_000, eval_every=1000, log_every=10)
+    base.large_scale_training(c)
     return c

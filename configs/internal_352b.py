@@ -13,6 +13,5 @@ def get_config():
     c.model.update(vocab_size=65536, num_layers=60, hidden=4096, num_heads=32, num_kv_heads=8,
                    dense_ffn=14336, rope_theta=1e6, max_seq_len=8192)
     c.model.moe.update(num_experts=32, top_k=3, expert_ffn=14336)
-    c.train.update(global_batch=512, seq_len=8192, learning_rate=3e-4, warmup_steps=2000,
-                   steps=100_000, eval_every=1000, log_every=10)
+    base.large_scale_training(c, global_batch=512, seq_len=8192)
     return c

@@ -12,6 +12,5 @@ def get_config():
     c.model.update(vocab_size=32000, num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
                    dense_ffn=14336, rope_theta=1e6, max_seq_len=32768)
     c.model.moe.update(num_experts=8, top_k=2, expert_ffn=14336)
-    c.train.update(global_batch=256, seq_len=4096, learning_rate=3e-4, warmup_steps=2000,
-                   steps=100_000, eval_every=1000, log_every=10)
+    base.large_scale_training(c)
     return c
