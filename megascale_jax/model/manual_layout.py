@@ -35,8 +35,7 @@ def _without(spec: P, axis: str) -> P:
 
 def _varying(x, axes) -> tuple[str, ...]:
     """The mesh axes among `axes` along which x differs between devices (shard_map's vma type)."""
-    aval = jax.typeof(x)
-    vma = aval.vma if hasattr(aval, "vma") else aval.mat.varying   # jax 0.11 keeps it in `mat`
+    vma = collectives.varying_axes(x)
     return tuple(a for a in axes if a in vma)
 
 

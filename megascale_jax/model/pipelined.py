@@ -35,7 +35,8 @@ from jax.sharding import PartitionSpec as P
 from megascale_jax.model.layout import LocalLayout
 from megascale_jax.model.loss import cross_entropy
 from megascale_jax.model.manual_layout import ManualLayout
-from megascale_jax.model.transformer import _REMAT_POLICIES
+from megascale_jax.model.transformer import REMAT_POLICIES
+from megascale_jax.parallel.collectives import varying_axes
 from megascale_jax.parallel.pipeline import PipelineParams, pipeline_value_and_grad
 from megascale_jax.parallel.pipeline_schedules import StageLayout, schedule_summary
 from megascale_jax.parallel.plan import DATA, INTRA, PIPE
@@ -53,7 +54,7 @@ class DataMeanLayout(LocalLayout):
     loss is computed over all of its tokens, as the ManualLayout does."""
 
     def token_mean(self, x):
-        return lax.pmean(x, DATA) if DATA in jax.typeof(x).mat.varying else x
+        return lax.pmean(x, DATA) if DATA in varying_axes(x) else x
 
 
 def pipeline_loss_and_grads(graphdef, params, batch, *, mesh, moe_cfg, layout, schedule: str,
@@ -119,7 +120,7 @@ def _stage_functions(model, block_layout, moe_cfg, num_layers: int, intra_size: 
         return y_BSD, moe * moe_scale
 
     if model.remat != "none":
-        block = jax.checkpoint(block, policy=_REMAT_POLICIES[model.remat], prevent_cse=False)
+        block = jax.checkpoint(block, policy=REMAT_POLICIES[model.remat], prevent_cse=False)
 
     def last_fn(last, x_BSD, targets_BS):
         x_BSD = nnx.merge(norm_def, last["final_norm"])(x_BSD)

@@ -64,7 +64,7 @@ def _stacked_blocks(cfg, count: int, moe: bool, group_size: int, param_dtype, rn
     return create(rngs)
 
 
-_REMAT_POLICIES = {
+REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "selective": jax.checkpoint_policies.save_only_these_names("qkv", "attn_core", "expert_out"),
@@ -80,7 +80,7 @@ def _run_stack(blocks, x_BSD, layout, remat: str):
         return y, stats
 
     if remat != "none":
-        body = jax.checkpoint(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     return jax.lax.scan(body, x_BSD, state)
 
 

@@ -22,6 +22,19 @@ from jax import lax
 # ----------------------------------------------------------------------------------------------------------
 
 
+def varying_axes(x) -> frozenset:
+    """Mesh axes along which x differs between devices inside shard_map (its vma type; empty outside).
+
+    The one place that reads it: jax 0.11 keeps it in `jax.typeof(x).mat.varying`, later versions in `.vma`.
+    (pallas_kernels/grouped_gemm.py has its own copy: kernels sit below this package.)
+    """
+    aval = jax.typeof(x)
+    if hasattr(aval, "vma"):
+        return frozenset(aval.vma)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
 def _require_divisible(size: int, n: int, what: str, fix: str) -> None:
     if size % n != 0:
         raise ValueError(f"{what} = {size} is not divisible by the axis size n = {n}; {fix}")

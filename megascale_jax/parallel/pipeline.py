@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from megascale_jax.parallel.collectives import varying_axes
 from megascale_jax.parallel.pipeline_schedules import StageLayout, build_schedule
 
 
@@ -80,7 +81,7 @@ def _to_varying(tree, axes):
     """Mark values as differing across the manual `axes` so vjp and scan carries stay per-device (a
     gradient wrt a replicated value would otherwise be all-reduced at every tick)."""
     def one(x):
-        missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+        missing = tuple(a for a in axes if a not in varying_axes(x))
         return lax.pcast(x, missing, to="varying") if missing else x
     return jax.tree.map(one, tree)
 
@@ -90,7 +91,7 @@ def _match_varying(tree, like):
     user function is invariant there, but must flow through the same scan carry and cond. (pcast's
     transpose is a psum, which is right for shares: n equal shares count n times.)"""
     def one(x, ref):
-        missing = tuple(a for a in jax.typeof(ref).mat.varying if a not in jax.typeof(x).mat.varying)
+        missing = tuple(a for a in varying_axes(ref) if a not in varying_axes(x))
         return lax.pcast(x, missing, to="varying") if missing else x
     return jax.tree.map(one, tree, like)
 
