@@ -74,7 +74,7 @@ def _fit_tiling(base: GemmTiling, n_cols: int, name: str) -> GemmTiling:
 
 def _fit_wgrad_tiling(base: GemmTiling, k: int, n: int) -> GemmTiling:
     """dw tiles are (K rows x N columns); the widest pair of warpgroup tiles that divides both."""
-    for split, tile_m, tile_n in (("m", 128, 128), ("n", 128, 128), ("m", 64, 128), ("n", 64, 64)):
+    for split, tile_m, tile_n in (("m", 128, 128), ("n", 128, 128), ("m", 64, 128), ("n", 64, 64), ("m", 64, 64)):
         cta_m = tile_m * (_NUM_COMPUTE_WGS if split == "m" else 1)
         cta_n = tile_n * (_NUM_COMPUTE_WGS if split == "n" else 1)
         if k % cta_m == 0 and n % cta_n == 0:

@@ -87,6 +87,12 @@ def test_interpret_bf16_output_and_default_tuning():
     assert _rel_err(y, _ragged_dot_f32(x, w, group_sizes)) < 4e-3
 
 
+def test_interpret_weight_gradient_when_only_k_is_a_multiple_of_128():
+    """N = 64 (like a TP-split fine-grained expert, N = 704): dw takes the 128 x 64 tile pair."""
+    x, w, dy, group_sizes = _random_problem(31, 160, 128, 64, [60, 0, 77])
+    _check_fwd_bwd(x, w, dy, group_sizes, interpret=True)
+
+
 def test_reference_twin_matches_ragged_dot_including_grads():
     x, w, dy, group_sizes = _random_problem(3, 40, 16, 24, [9, 0, 20, 5])
     x, w = x.astype(jnp.float32), w.astype(jnp.float32)
@@ -137,6 +143,17 @@ def _poison_device_memory(nbytes):
 ])
 def test_gpu_forward_and_gradients_match_ragged_dot(sizes):
     x, w, dy, group_sizes = _random_problem(sum(sizes) + len(sizes), 4096, 512, 1024, sizes)
+    _poison_device_memory(64 << 20)
+    _check_fwd_bwd(x, w, dy, group_sizes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k, n, sizes", [
+    (2048, 704, [300, 0, 1000, 2796]),   # DeepSeekMoE expert FFN split over TP 2: N = 704 = 11 x 64
+    (4096, 2048, [3000]),                # one expert per device, with a tail of zero rows
+])
+def test_gpu_tp_split_and_single_group_shapes(k, n, sizes):
+    x, w, dy, group_sizes = _random_problem(k + n, 4096, k, n, sizes)
     _poison_device_memory(64 << 20)
     _check_fwd_bwd(x, w, dy, group_sizes)
 
