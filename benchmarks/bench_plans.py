@@ -5,7 +5,8 @@ combinations (SP+EP, TP+TP, TP+EP, SP+TP) and the XLA-propagation plan, in one p
         --out benchmarks/results/plans_2xh200.json
 
 Every run uses the real trainer (`benchmarks.bench_train.bench_config`); the intra-node domain is
-`--intra` devices (all of them by default). Plot with `python -m benchmarks.plot_plans <json>`.
+`--intra` devices (all of them by default). `--profile-steps 2` also traces the last two steps of each run and
+records where the GPU time goes (GEMM, attention, each collective, exposed communication). Plot with `python -m benchmarks.plot_plans <json>`.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def main() -> None:
     ap.add_argument("--intra", type=int, default=0, help="intra-node domain size (0 = all devices)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--log-every", type=int, default=3)
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="trace the last N steps of each run and record the GPU time breakdown (gpu_trace)")
     ap.add_argument("--set", default="", help="overrides for every run: key=value,key=value")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -44,7 +47,7 @@ def main() -> None:
         for plan in args.plans.split(","):
             overrides = {"parallel.intra": intra, **PLANS[plan], **_parse_overrides(args.set)}
             try:
-                row = bench_config(name, args.steps, args.log_every, overrides)
+                row = bench_config(name, args.steps, args.log_every, overrides, args.profile_steps)
             except Exception as err:  # noqa: BLE001 - a plan that fails is recorded, not hidden
                 row = {"config": name, "overrides": overrides, "error": f"{type(err).__name__}: {err}"[:800]}
             row["plan"] = plan

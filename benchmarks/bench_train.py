@@ -18,6 +18,7 @@ import tempfile
 
 import jax
 
+from benchmarks import gpu_trace
 from benchmarks.environment import environment
 from megascale_jax import train
 from megascale_jax.config import default_config
@@ -36,12 +37,19 @@ def _parse_overrides(text: str) -> dict:
     return out
 
 
-def bench_config(name: str, steps: int, log_every: int, overrides: dict) -> dict:
+def bench_config(name: str, steps: int, log_every: int, overrides: dict, profile_steps: int = 0) -> dict:
+    """`profile_steps` > 0 traces that many steps at the end of the run (after compilation and warm-up) and adds
+    the GPU time breakdown of `benchmarks.gpu_trace` as row["profile"]."""
+    profile = {"profile.start_step": steps - profile_steps, "profile.num_steps": profile_steps} if profile_steps \
+        else {}
     with tempfile.TemporaryDirectory() as tmp:
         cfg = default_config(name, num_devices=jax.device_count(), **{
             "train.steps": steps, "train.log_every": log_every, "train.eval_every": 0,
-            "train.warmup_steps": min(5, steps), "output.dir": tmp, "output.tensorboard": False, **overrides})
+            "train.warmup_steps": min(5, steps), "output.dir": tmp, "output.tensorboard": False,
+            **profile, **overrides})
         logged = train.run(cfg)
+        breakdown = gpu_trace.breakdown(gpu_trace.load_trace(gpu_trace.latest_trace_file(
+            os.path.join(tmp, "profile"))), profile_steps) if profile_steps else None
     rates = [l["tokens_per_s"] for l in logged[1:] if l.get("tokens_per_s")]
     size = model_size(cfg.model, cfg.train.seq_len)
     tokens_per_s = statistics.median(rates) if rates else None
@@ -60,6 +68,7 @@ def bench_config(name: str, steps: int, log_every: int, overrides: dict) -> dict
         else None,
         "losses": [round(l["loss"], 4) for l in logged],
         "tokens_per_s_intervals": rates,
+        **({"profile": breakdown} if breakdown else {}),
     }
 
 

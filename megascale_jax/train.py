@@ -266,6 +266,7 @@ def run(cfg: config_lib.Config, *, profile: bool = False, devices=None, stop_aft
     logged = []
     for step in range(start, min(cfg.train.steps, stop_after or cfg.train.steps)):
         if step == profile_start:
+            jax.block_until_ready(state)   # the trace starts at a step boundary, not inside the previous step
             jax.profiler.start_trace(os.path.join(out_dir, "profile"))
         state, metrics = train_step(state, global_batch(sampler, step, "train", batch_sharding))
         if step == profile_start + cfg.profile.num_steps - 1 and profile_start >= 0:

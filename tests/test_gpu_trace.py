@@ -1,0 +1,74 @@
+"""The profile breakdown on a hand-built trace: categories, unions, exposed communication, derived lines skipped."""
+import gzip
+import json
+
+import pytest
+
+from benchmarks import gpu_trace
+
+
+def _trace():
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:1"}},
+        {"ph": "M", "name": "process_name", "pid": 9, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "Stream #8(Nccl)"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 99, "args": {"name": "XLA Ops"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "name": "thread_name", "pid": 9, "tid": 1, "args": {"name": "python"}},
+    ]
+
+    def kernel(pid, tid, name, ts, dur):
+        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        # GPU 0: a GEMM 0..100 us, attention 150..200, an all-to-all 80..180 (80..100 and 150..180 hidden).
+        kernel(1, 7, "sm90_xmma_gemm_bf16", 0, 100),
+        kernel(1, 7, "cudnn_generated_fort_native_sdpa", 150, 50),
+        kernel(1, 8, "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage)", 80, 100),
+        kernel(1, 99, "fusion.3", 0, 1000),            # a derived line: must not be counted
+        kernel(9, 1, "ncclDevKernel_AllGather", 0, 1000),  # a host thread: must not be counted
+        # GPU 1: an elementwise fusion 0..40 and an all-gather 40..100, fully exposed.
+        kernel(2, 7, "loop_add_fusion", 0, 40),
+        kernel(2, 7, "ncclDevKernel_AllGather_RING_LL", 40, 60),
+    ]
+    return {"traceEvents": meta + events}
+
+
+def test_breakdown_counts_stream_kernels_and_exposed_communication():
+    out = gpu_trace.breakdown(_trace(), num_steps=1)
+    assert out["num_gpus"] == 2
+    # busy: GPU0 union [0,200) = 200 us; GPU1 [0,100) = 100 us -> mean 150 us = 0.15 ms.
+    assert out["busy_ms"] == pytest.approx(0.150)
+    # comm: GPU0 100 us, GPU1 60 us -> 0.08 ms; exposed: GPU0 100..150 = 50 us, GPU1 60 us -> 0.055 ms.
+    assert out["comm_ms"] == pytest.approx(0.080)
+    assert out["exposed_comm_ms"] == pytest.approx(0.055)
+    cats = out["kernel_ms_by_category"]
+    assert cats == pytest.approx({"gemm": 0.05, "attention": 0.025, "comm:sendrecv": 0.05,
+                                  "comm:allgather": 0.03, "other": 0.02})
+
+
+def test_breakdown_divides_by_steps_and_reads_the_written_file(tmp_path):
+    run = tmp_path / "plugins" / "profile" / "2026_11_30"
+    run.mkdir(parents=True)
+    with gzip.open(run / "host.trace.json.gz", "wt") as f:
+        json.dump(_trace(), f)
+    path = gpu_trace.latest_trace_file(str(tmp_path))
+    out = gpu_trace.breakdown(gpu_trace.load_trace(path), num_steps=2)
+    assert out["busy_ms"] == pytest.approx(0.075)
+
+
+def test_breakdown_rejects_a_trace_without_gpu_kernels(tmp_path):
+    with pytest.raises(ValueError, match="no GPU stream kernels"):
+        gpu_trace.breakdown({"traceEvents": []}, num_steps=1)
+    with pytest.raises(FileNotFoundError, match="profiler"):
+        gpu_trace.latest_trace_file(str(tmp_path))
+
+
+@pytest.mark.parametrize("name, category", [
+    ("ncclDevKernel_AllToAll", "comm:alltoall"), ("ncclDevKernel_ReduceScatter_Sum_bf16", "comm:reducescatter"),
+    ("nvjet_tst_128x256_64x4", "gemm"), ("gemm_fusion_dot_3", "gemm"), ("input_reduce_fusion", "other"),
+])
+def test_kernel_categories(name, category):
+    assert gpu_trace.kernel_category(name) == category
