@@ -91,14 +91,32 @@ def mgpu_fwd(gs, m, n):
         functools.partial(ragged_dot_mgpu.ragged_dot, group_sizes=gs, **c)) for c in configs}
 
 
-def tokamax_impls(gs, with_bwd):
+def import_tokamax():
     import types
     for mod in ("xprof", "xprof.cli", "xprof.cli.tools"):  # tokamax imports these for its own tools
         sys.modules.setdefault(mod, types.ModuleType(mod))
     sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None
     import tokamax
-    f = lambda x, w: tokamax.ragged_dot(x, w, gs, implementation="mosaic")  # noqa: E731
-    return tokamax, jax.jit(f), (fwd_bwd(f) if with_bwd else None)
+    return tokamax
+
+
+def measure_tokamax(row, record, gs, x, w, dy, flops, with_bwd):
+    """tokamax's Mosaic ragged_dot untuned, then autotuned as its README shows: `tokamax.autotune(f, *args)`
+    once per shape, and the calls run inside `with result:` (a fresh function each time, so no trace made
+    before tuning is reused). Autotuning seconds are recorded."""
+    tokamax = import_tokamax()
+    make = lambda: (lambda x, w: tokamax.ragged_dot(x, w, gs, implementation="mosaic"))  # noqa: E731
+    record("tokamax_mosaic_untuned/fwd", jax.jit(make()), (x, w), flops)
+    variants = [("fwd", lambda: jax.jit(make()), (x, w), flops)]
+    if with_bwd:
+        variants.append(("fwd+bwd", lambda: fwd_bwd(make()), (x, w, dy), 3 * flops))
+    for label, build, argv, nflop in variants:
+        t0 = time.perf_counter()
+        tuned = tokamax.autotune(build(), *argv, progress_bar=False)
+        row.setdefault("tokamax_autotune_s", {})[label] = round(time.perf_counter() - t0, 1)
+        print(f"  tokamax autotune {label}: {time.perf_counter() - t0:.1f} s", flush=True)
+        with tuned:
+            record(f"tokamax_mosaic_autotuned/{label}", build(), argv, nflop)
 
 
 def measure_shape(name, shape, routing, args, results, impl_filter):
@@ -124,6 +142,7 @@ def measure_shape(name, shape, routing, args, results, impl_filter):
                 err = float(jnp.linalg.norm(y.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
                 row["errors"][label] = err
             print(f"  {name:20s} {routing:8s} {label:34s} {nflop / t / 1e12:7.1f} TFLOP/s", flush=True)
+            save_json(args.out, args.environment, results + [row])  # a timeout keeps every finished number
         except Exception as e:  # noqa: BLE001  (one failing baseline must not stop the run)
             row["tflops"][label] = None
             row["errors"][label] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -149,11 +168,7 @@ def measure_shape(name, shape, routing, args, results, impl_filter):
                    f"m{cfg.grid_minor}w{cfg.grid_tile_width}]/fwd", f, (x, w), flops)
     if args.tokamax:
         try:
-            tokamax, tk_fwd, tk_bwd = tokamax_impls(gs, args.bwd)
-            tokamax.autotune(tk_fwd, x, w)  # as its users run it: tune once per shape, then call
-            record("tokamax_mosaic/fwd", tk_fwd, (x, w), flops)
-            if tk_bwd is not None:
-                record("tokamax_mosaic/fwd+bwd", tk_bwd, (x, w, dy), 3 * flops)
+            measure_tokamax(row, record, gs, x, w, dy, flops, args.bwd)
         except Exception as e:  # noqa: BLE001
             row["errors"]["tokamax"] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"  tokamax FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -214,6 +229,11 @@ def run_torch(results):
             r["tflops"][f"torch_grouped_mm/{label}"] = v
 
 
+def save_json(path, env, results):
+    with open(path, "w") as f:
+        json.dump(dict(environment=env, results=results), f, indent=1)
+
+
 def environment():
     import jaxlib
     dev = jax.devices()[0]
@@ -244,6 +264,7 @@ def main():
         shapes = {k: v for k, v in shapes.items() if k in args.only.split(",")}
     routings = ["uniform"] if args.mode == "smoke" else args.routings.split(",")
     results, env = [], environment()
+    args.environment = env
     print(env, flush=True)
     impl_filter = [s for s in args.impls.split(",") if s]
     for name, shape in shapes.items():
@@ -251,12 +272,10 @@ def main():
             if routing == "skewed" and shape[3] == 1:
                 continue
             measure_shape(name, shape, routing, args, results, impl_filter)
-            with open(args.out, "w") as f:  # after every shape, so a timeout keeps what was measured
-                json.dump(dict(environment=env, results=results), f, indent=1)
+            save_json(args.out, env, results)
     if args.torch:
         run_torch(results)
-    with open(args.out, "w") as f:
-        json.dump(dict(environment=env, results=results), f, indent=1)
+    save_json(args.out, env, results)
     for r in results:
         print(r["shape"], r["routing"], json.dumps(r["tflops"]))
 
