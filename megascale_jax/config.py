@@ -303,9 +303,6 @@ def _validate_zero(cfg: Config) -> None:
         return
     _check(p.plan == "manual", "config.parallel.optimizer_sharding='zero1' runs the step per device: set "
            "config.parallel.plan='manual'.")
-    _check(p.intra == 1, f"config.parallel.optimizer_sharding='zero1' with parallel.intra={p.intra} is not "
-           "implemented yet (ZeRO-1 flattens replicated parameters; expert shards differ per intra rank); "
-           "use intra=1 or optimizer_sharding='none'.")
 
 
 def _validate_intra(cfg: Config) -> None:

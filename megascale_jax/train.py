@@ -32,7 +32,7 @@ from megascale_jax.model.pipelined import bubble_report, pipeline_loss_and_grads
 from megascale_jax.model.transformer import Transformer
 from megascale_jax.optim import flat_decay_mask, learning_rate_schedule, make_flat_optimizer, make_optimizer
 from megascale_jax.parallel import distributed
-from megascale_jax.parallel.plan import DATA, ParallelPlan
+from megascale_jax.parallel.plan import DATA, INTRA, ParallelPlan
 from megascale_jax.parallel.zero import Zero1
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -75,7 +75,7 @@ def build_trainer(cfg: config_lib.Config, devices=None) -> Trainer:
     replicated = NamedSharding(mesh, P())
     zero = None
     if cfg.parallel.optimizer_sharding == "zero1":
-        zero, abstract["opt_state"], opt_shardings = _zero1(cfg, abstract["params"], mesh)
+        zero, abstract["opt_state"], opt_shardings = _zero1(cfg, abstract["params"], param_shardings, mesh)
     else:
         opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract["opt_state"], param_shardings,
                                               transform_non_params=lambda _: replicated)
@@ -84,14 +84,16 @@ def build_trainer(cfg: config_lib.Config, devices=None) -> Trainer:
     return Trainer(cfg, plan, mesh, graphdef, optimizer, shardings, abstract, layout_for(cfg, plan, mesh), zero)
 
 
-def _zero1(cfg, abstract_params, mesh):
-    """ZeRO-1 over the data axis: the optimizer and the shapes/shardings of its flat, sharded state."""
-    dp = mesh.shape[DATA]
-    probe = Zero1(optax.identity(), DATA)
-    length = probe.flat_length(abstract_params, dp)
-    optimizer = make_flat_optimizer(cfg.train, flat_decay_mask(abstract_params, length))
-    zero = Zero1(optimizer, DATA, cfg.parallel.grad_comm, cfg.train.grad_clip or None)
-    abstract_opt = jax.eval_shape(optimizer.init, jax.ShapeDtypeStruct((length,), jnp.float32))
+def _zero1(cfg, abstract_params, param_shardings, mesh):
+    """ZeRO-1 over the data axis: the optimizer and the shapes/shardings of its flat, sharded state.
+
+    Each device flattens its own parameter shards (experts or TP slices differ along 'intra': Zero1's
+    shard_axes), so the weight-decay mask is built per group from the leaves each device holds."""
+    shard_axes = (INTRA,) if mesh.shape[INTRA] > 1 else ()
+    optimizer = lambda leaves, length: make_flat_optimizer(cfg.train, flat_decay_mask(leaves, length))  # noqa: E731
+    zero = Zero1(optimizer, DATA, cfg.parallel.grad_comm, cfg.train.grad_clip or None, shard_axes=shard_axes)
+    specs = jax.tree.map(lambda s: s.spec, param_shardings)
+    abstract_opt = jax.eval_shape(lambda p: zero.init(p, mesh, specs), abstract_params)
     return zero, abstract_opt, zero.state_shardings(mesh, abstract_opt)
 
 
@@ -114,7 +116,8 @@ def create_state(trainer: Trainer):
 
     if trainer.zero is not None:
         params = jax.jit(lambda: nnx.state(_new_model(cfg)), out_shardings=trainer.state_shardings["params"])()
-        return {"params": params, "opt_state": trainer.zero.init(params, trainer.mesh),
+        param_specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings["params"])
+        return {"params": params, "opt_state": trainer.zero.init(params, trainer.mesh, param_specs),
                 "step": jax.device_put(jnp.zeros((), jnp.int32), trainer.state_shardings["step"])}
 
     def init():

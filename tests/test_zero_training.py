@@ -24,9 +24,12 @@ def test_zero1_trains_equal_to_plain_data_parallel_and_compression_stays_close(t
         np.testing.assert_allclose(compressed, plain, rtol=1e-3)
 
 
-def test_zero1_optimizer_state_per_device_falls_by_the_dp_size():
-    plain_cfg = default_config("tiny_cpu", num_devices=8, **COMMON)
-    zero_cfg = default_config("tiny_cpu", num_devices=8, **COMMON, **ZERO)
+@pytest.mark.parametrize("intra", [1, 2])
+def test_zero1_optimizer_state_per_device_falls_by_the_dp_size(intra):
+    dp = 8 // intra
+    plan = {"parallel.plan": "manual", "parallel.intra": intra}
+    plain_cfg = default_config("tiny_cpu", num_devices=8, **COMMON, **plan)
+    zero_cfg = default_config("tiny_cpu", num_devices=8, **COMMON, **{**plan, **ZERO})
     plain = train.create_state(train.build_trainer(plain_cfg))["opt_state"]
     zero = train.create_state(train.build_trainer(zero_cfg))["opt_state"]
 
@@ -39,17 +42,33 @@ def test_zero1_optimizer_state_per_device_falls_by_the_dp_size():
 
     plain_bytes = sum(per_device(x) for x in moments(plain))
     zero_bytes = sum(per_device(x) for x in moments(zero))
-    # Same moments, one eighth on each device (up to the padding of the flat vector to dp * 128).
-    assert zero_bytes * 8 == pytest.approx(plain_bytes, rel=0.01)
-    for leaf in jax.tree.leaves(zero):
-        if leaf.ndim:
-            assert per_device(leaf) * 8 == leaf.nbytes   # every state vector, the decay mask too, is sharded
+    # Same moments, 1/dp of them on each device (up to the padding of the flat vectors to dp * 128).
+    assert zero_bytes * dp == pytest.approx(plain_bytes, rel=0.01)
+    assert set(zero) == ({"shared", "sharded"} if intra > 1 else {"shared"})
+    for group, state in zero.items():
+        for leaf in jax.tree.leaves(state):
+            if leaf.ndim:  # every state vector, the decay mask too, is sharded over data (and intra if sharded)
+                assert per_device(leaf) * dp * (intra if group == "sharded" else 1) == leaf.nbytes
+
+
+@pytest.mark.parametrize("attention, ffn", [("sp", "ep"), ("tp", "tp")])
+def test_zero1_with_an_intra_node_domain_equals_the_plain_manual_plan(tmp_path, attention, ffn):
+    """intra = 2 x data = 4: each device flattens its own expert / TP shards; the grad norm counts weights
+    replicated over 'intra' (SP attention) once. Losses and the clipped norm match the unsharded optimizer."""
+    plan = {"parallel.plan": "manual", "parallel.intra": 2, "parallel.attention": attention,
+            "parallel.ffn": ffn, "train.grad_clip": 0.05}   # small: every step clips, so the norm matters
+    cfg = lambda name, **o: default_config("tiny_cpu", num_devices=8, **COMMON, **plan, **o,  # noqa: E731
+                                           **{"output.dir": str(tmp_path / name)})
+    plain = train.run(cfg("plain"))
+    zero = train.run(cfg("zero", **{"parallel.optimizer_sharding": "zero1"}))
+    assert all(l["grad_norm"] > 0.05 for l in plain)
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([l[key] for l in zero], [l[key] for l in plain], rtol=1e-5)
 
 
 @pytest.mark.parametrize("overrides,needle", [
     ({"parallel.grad_comm": "bf16"}, "optimizer_sharding='zero1'"),
     ({"parallel.optimizer_sharding": "zero1"}, "plan='manual'"),
-    ({**ZERO, "parallel.intra": 2}, "intra=2"),
 ])
 def test_zero1_config_errors(overrides, needle):
     with pytest.raises(ConfigError, match=needle):

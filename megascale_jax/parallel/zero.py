@@ -12,6 +12,15 @@ One step (inside shard_map, every rank passing its LOCAL fp32-accumulated gradie
   3. the inner optax optimizer updates this rank's parameter slice;
   4. all-gather the updated slices (fp32) into the replicated parameters.
 
+Groups. Under expert or tensor parallelism some parameters are sharded along other mesh axes (`shard_axes`,
+the intra-node axis) and differ between devices there, while others (attention weights under SP, norms,
+the router) are replicated along them. Each device flattens each group of its own leaves separately, group
+'shared' (replicated along shard_axes) and group 'sharded', because one array has one shard_map type: the
+shared group's state and updated parameters stay replicated over shard_axes (state spec P(axis)); the
+sharded group's state is laid out P((*shard_axes, axis)). The global gradient norm sums the shared group
+over `axis` and the sharded group over `axis` and shard_axes, so every parameter counts once. Without
+shard_axes everything is one 'shared' group. Optimizer state is {group: optax state}.
+
 The inner optimizer sees a flat 1-D slice, so it must act elementwise (adam/adamw/sgd/lion, schedules,
 plain weight decay). Transformations that need the pytree structure or the whole vector — global-norm
 clipping (done here instead), per-leaf masks, factored (adafactor) statistics — do not fit.
@@ -19,7 +28,7 @@ clipping (done here instead), per-leaf masks, factored (adafactor) statistics �
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.flatten_util
@@ -29,6 +38,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megascale_jax.parallel import grad_comm
+from megascale_jax.parallel.collectives import varying_axes
 
 AxisName = grad_comm.AxisName
 
@@ -44,60 +54,118 @@ def _axis_size_in_mesh(mesh: jax.sharding.Mesh, axis: AxisName) -> int:
     return size
 
 
+SHARED, SHARDED = "shared", "sharded"
+OptimizerFactory = Callable[[list, int], optax.GradientTransformation]
+
+
 @dataclasses.dataclass(frozen=True)
 class Zero1:
     """ZeRO-1 optimizer wrapper. See the module docstring for the layout and the step.
 
-    optimizer: an elementwise optax transformation (e.g. `optax.adamw(3e-4, weight_decay=0.1)`).
+    optimizer: an elementwise optax transformation (e.g. `optax.adamw(3e-4, weight_decay=0.1)`), or a function
+        (leaves of one group, padded flat length) -> transformation, for state that depends on the flat
+        layout (the trainer's weight-decay mask).
     axis: the DP mesh axis name (or tuple of names), e.g. 'data'.
     mode: gradient communication, one of grad_comm.GRAD_COMM_MODES.
     max_grad_norm: clip the global gradient norm to this value (None: no clipping).
+    shard_axes: mesh axes along which some parameters are sharded (e.g. ('intra',)); () if none are.
     """
-    optimizer: optax.GradientTransformation
+    optimizer: optax.GradientTransformation | OptimizerFactory
     axis: AxisName
     mode: str = "fp32"
     max_grad_norm: float | None = None
     block_size: int = 128
+    shard_axes: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.mode not in grad_comm.GRAD_COMM_MODES:
             raise ValueError(f"mode={self.mode!r}; use one of {grad_comm.GRAD_COMM_MODES}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={self.max_grad_norm} must be > 0 (or None to disable clipping)")
-        if not isinstance(self.optimizer, optax.GradientTransformation):
-            raise ValueError(f"optimizer must be an optax.GradientTransformation, got {type(self.optimizer)}")
+        if not (isinstance(self.optimizer, optax.GradientTransformation) or callable(self.optimizer)):
+            raise ValueError(f"optimizer must be an optax.GradientTransformation (or a factory of one), got "
+                             f"{type(self.optimizer)}")
+        if set(self._axes) & set(self.shard_axes):
+            raise ValueError(f"shard_axes={self.shard_axes} must not contain the ZeRO axis {self.axis!r}")
+
+    @property
+    def _axes(self) -> tuple[str, ...]:
+        return (self.axis,) if isinstance(self.axis, str) else tuple(self.axis)
 
     # ---- layout -------------------------------------------------------------------------------------
     def flat_length(self, params, dp: int) -> int:
-        """Padded length L of the flat parameter vector for `dp` ranks."""
+        """Padded length L of the flat vector of `params` (a pytree or one group's leaves) for `dp` ranks."""
         num = sum(x.size for x in jax.tree.leaves(params))
         return grad_comm.padded_length(num, dp, self.block_size)
+
+    def optimizer_for(self, leaves, length: int) -> optax.GradientTransformation:
+        if isinstance(self.optimizer, optax.GradientTransformation):
+            return self.optimizer
+        return self.optimizer(leaves, length)
 
     def _flatten_padded(self, tree, length: int):
         flat, unravel = jax.flatten_util.ravel_pytree(tree)
         return grad_comm.pad_flat(flat, length), unravel, flat.shape[0]
 
-    # ---- outside shard_map --------------------------------------------------------------------------
-    def init(self, params, mesh: jax.sharding.Mesh):
-        """Optimizer state for the flat padded parameters, each array sharded `P(axis)` over `mesh`.
+    def _groups(self, sharded_flags) -> dict[str, list[int]]:
+        """Leaf indices of each non-empty group, in leaf order."""
+        groups = {SHARED: [i for i, s in enumerate(sharded_flags) if not s],
+                  SHARDED: [i for i, s in enumerate(sharded_flags) if s]}
+        return {g: idx for g, idx in groups.items() if idx}
 
-        Call outside shard_map (params may be replicated or host arrays). Every device ends up with the
-        1/dp slice of each state array that `step` will update.
+    def _sharded_by_spec(self, spec) -> bool:
+        named = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+        return self._shard_flag(named & set(self.shard_axes))
+
+    def _sharded_by_type(self, leaf) -> bool:
+        return self._shard_flag(varying_axes(leaf) & set(self.shard_axes))
+
+    def _shard_flag(self, along: set) -> bool:
+        if along and along != set(self.shard_axes):
+            raise ValueError(f"a parameter sharded along {sorted(along)} but not all of shard_axes="
+                             f"{self.shard_axes}: pass only the axes every sharded parameter uses")
+        return bool(along)
+
+    # ---- outside shard_map --------------------------------------------------------------------------
+    def init(self, params, mesh: jax.sharding.Mesh, param_specs=None):
+        """Optimizer state {group: optax state} of each group's flat padded parameters, every vector sharded
+        as `state_specs` says; `param_specs` (default: replicated) says how `params` are sharded.
+
+        Call outside shard_map. Every device ends up with the 1/dp slice of its groups' state that `step`
+        will update; each computes only that slice.
         """
         dp = _axis_size_in_mesh(mesh, self.axis)
-        length = self.flat_length(params, dp)
-        flat_dtype = jax.eval_shape(lambda p: jax.flatten_util.ravel_pytree(p)[0], params).dtype
-        flat_shape = jax.ShapeDtypeStruct((length,), flat_dtype)
-        shardings = self.state_shardings(mesh, jax.eval_shape(self.optimizer.init, flat_shape))
+        if self.shard_axes:
+            _axis_size_in_mesh(mesh, self.shard_axes)
+        param_specs = param_specs if param_specs is not None else jax.tree.map(lambda _: P(), params)
+        spec_leaves = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
+        groups = self._groups([self._sharded_by_spec(s) for s in spec_leaves])
 
-        def init_flat(p):
-            return self.optimizer.init(self._flatten_padded(p, length)[0])
+        def init_local(p):
+            leaves, rank, state = jax.tree.leaves(p), lax.axis_index(self.axis), {}
+            for group, idx in groups.items():
+                mine = [leaves[i] for i in idx]
+                length = self.flat_length(mine, dp)
+                flat = self._flatten_padded(mine, length)[0]
+                n = length // dp
+                state[group] = jax.tree.map(
+                    lambda x, n=n: lax.dynamic_slice_in_dim(x, rank * n, n) if jnp.ndim(x) >= 1 else x,
+                    self.optimizer_for(mine, length).init(flat))
+            return state
 
-        return jax.jit(init_flat, out_shardings=shardings)(params)
+        def run(p):
+            out_specs = self.state_specs(jax.eval_shape(
+                jax.shard_map(init_local, mesh=mesh, in_specs=(param_specs,), out_specs=P(), check_vma=False), p))
+            return jax.shard_map(init_local, mesh=mesh, in_specs=(param_specs,), out_specs=out_specs)(p)
+
+        return jax.jit(run)(params)
 
     def state_specs(self, opt_state) -> Any:
-        """PartitionSpecs of the sharded state (for shard_map in_specs/out_specs): P(axis) for vectors."""
-        return jax.tree.map(lambda x: P(self.axis) if jnp.ndim(x) >= 1 else P(), opt_state)
+        """PartitionSpecs of the state (for shard_map in_specs/out_specs): vectors of group 'shared' are
+        P(axis), of group 'sharded' P((*shard_axes, axis)); scalars (Adam's count) are replicated."""
+        vector = {SHARED: P(self.axis), SHARDED: P(tuple(self.shard_axes) + self._axes)}
+        return {g: jax.tree.map(lambda x, g=g: vector[g] if jnp.ndim(x) >= 1 else P(), s)
+                for g, s in opt_state.items()}
 
     def state_shardings(self, mesh: jax.sharding.Mesh, opt_state) -> Any:
         return jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.state_specs(opt_state),
@@ -105,32 +173,45 @@ class Zero1:
 
     # ---- inside shard_map ---------------------------------------------------------------------------
     def step(self, params, grads_local, opt_state):
-        """Inside shard_map over `axis`: one ZeRO-1 update.
+        """Inside shard_map over `axis` (and shard_axes): one ZeRO-1 update.
 
-        params: replicated pytree (every rank the same values). grads_local: this rank's gradient, same
-        structure (cast to fp32). opt_state: this rank's slice, as laid out by `init` / `state_specs`.
-        Returns (new replicated params, new opt_state slice, stats) with stats = {'grad_norm': global
-        norm before clipping, 'clip_scale': factor applied (1.0 = not clipped)}, both replicated.
+        params: this device's parameters (replicated over `axis`). grads_local: this rank's gradient, same
+        structure (cast to fp32). opt_state: this rank's slices, as laid out by `init` / `state_specs`.
+        Returns (new params, new opt_state, stats) with stats = {'grad_norm': global norm before clipping,
+        'clip_scale': factor applied (1.0 = not clipped)}, both replicated.
         """
         dp = lax.axis_size(self.axis)
-        length = self.flat_length(params, dp)
-        flat_params, unravel, num = self._flatten_padded(params, length)
-        flat_grads, _, _ = self._flatten_padded(
-            jax.tree.map(lambda g: g.astype(jnp.float32), grads_local), length)
-
-        grad_slice = grad_comm.reduce_scatter_gradients(
-            flat_grads, axis=self.axis, mode=self.mode, block_size=self.block_size) / dp
-        grad_norm = jnp.sqrt(lax.psum(jnp.sum(jnp.square(grad_slice)), self.axis))
-        grad_slice, clip_scale = self._clip(grad_slice, grad_norm)
-
-        slice_len = length // dp
+        leaves, treedef = jax.tree.flatten(params)
+        grad_leaves = treedef.flatten_up_to(grads_local)
+        groups = self._groups([self._sharded_by_type(x) for x in leaves])
         rank = lax.axis_index(self.axis)
-        param_slice = lax.dynamic_slice_in_dim(flat_params, rank * slice_len, slice_len)
-        updates, new_state = self.optimizer.update(grad_slice.astype(param_slice.dtype), opt_state, param_slice)
-        new_slice = optax.apply_updates(param_slice, updates)
-        new_flat = lax.all_gather(new_slice, self.axis, tiled=True, to='invarying')[:num]
+
+        work, norm_sq = {}, jnp.zeros((), jnp.float32)
+        for group, idx in groups.items():
+            mine = [leaves[i] for i in idx]
+            length = self.flat_length(mine, dp)
+            flat_params, unravel, num = self._flatten_padded(mine, length)
+            flat_grads = self._flatten_padded([grad_leaves[i].astype(jnp.float32) for i in idx], length)[0]
+            grad_slice = grad_comm.reduce_scatter_gradients(
+                flat_grads, axis=self.axis, mode=self.mode, block_size=self.block_size) / dp
+            along = self._axes + (tuple(self.shard_axes) if group == SHARDED else ())
+            norm_sq = norm_sq + lax.psum(jnp.sum(jnp.square(grad_slice)), along)
+            work[group] = (mine, length, flat_params, unravel, num, grad_slice)
+        grad_norm = jnp.sqrt(norm_sq)
+
+        new_leaves, new_state, clip_scale = list(leaves), {}, jnp.ones((), jnp.float32)
+        for group, (mine, length, flat_params, unravel, num, grad_slice) in work.items():
+            grad_slice, clip_scale = self._clip(grad_slice, grad_norm)
+            n = length // dp
+            param_slice = lax.dynamic_slice_in_dim(flat_params, rank * n, n)
+            updates, new_state[group] = self.optimizer_for(mine, length).update(
+                grad_slice.astype(param_slice.dtype), opt_state[group], param_slice)
+            new_slice = optax.apply_updates(param_slice, updates)
+            new_flat = lax.all_gather(new_slice, self.axis, tiled=True, to='invarying')[:num]
+            for i, value in zip(groups[group], unravel(new_flat)):
+                new_leaves[i] = value
         stats = {"grad_norm": grad_norm, "clip_scale": clip_scale}
-        return unravel(new_flat), new_state, stats
+        return treedef.unflatten(new_leaves), new_state, stats
 
     def _clip(self, grad_slice, grad_norm):
         """Same arithmetic as optax.clip_by_global_norm, with the norm taken over all DP slices."""
