@@ -45,9 +45,17 @@ class Embedding(nnx.Module):
         return jnp.take(self.table_VD[...], tokens_BS, axis=0).astype(dtype)
 
     def attend(self, x_BSD):
-        """Tied output head: logits against the embedding table, in float32."""
-        return jnp.einsum("bsd,vd->bsv", x_BSD, self.table_VD[...].astype(x_BSD.dtype),
-                          preferred_element_type=jnp.float32)
+        """Tied output head: logits against the embedding table (see `output_logits`)."""
+        return output_logits("bsd,vd->bsv", x_BSD, self.table_VD[...])
+
+
+def output_logits(equation: str, x_BSD, w):
+    """Output-layer logits as float32 for the loss, from a GEMM in the compute dtype (fp32 accumulation,
+    output rounded to the compute dtype, as Megatron does). Why not a float32 GEMM output: its cotangent is
+    float32, so both backward GEMMs would run in float32, which XLA lowers to TF32 GEMMs at half the bf16
+    rate; the 2-H200 profiles (benchmarks/results/plans_2xh200.json) showed them as the largest kernels
+    after the expert GEMMs (DeepSeek-like: 17-22 ms of a 100-120 ms step)."""
+    return jnp.einsum(equation, x_BSD, w.astype(x_BSD.dtype)).astype(jnp.float32)
 
 
 class DenseMLP(nnx.Module):

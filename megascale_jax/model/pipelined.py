@@ -32,6 +32,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from megascale_jax.model.layers import output_logits
 from megascale_jax.model.layout import LocalLayout
 from megascale_jax.model.loss import cross_entropy
 from megascale_jax.model.manual_layout import ManualLayout
@@ -127,9 +128,7 @@ def _stage_functions(model, block_layout, moe_cfg, num_layers: int, intra_size: 
         if tied:
             logits = nnx.merge(embed_def, last["embed"]).attend(x_BSD)
         else:
-            head_DV = last["head_DV"][...]
-            logits = jnp.einsum("bsd,dv->bsv", x_BSD, head_DV.astype(x_BSD.dtype),
-                                preferred_element_type=jnp.float32)
+            logits = output_logits("bsd,dv->bsv", x_BSD, last["head_DV"][...])
         return cross_entropy(logits, targets_BS) / intra_size
 
     return first_fn, block, last_fn

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megascale_jax.model.attention import Attention
-from megascale_jax.model.layers import DenseMLP, Embedding, RMSNorm, param
+from megascale_jax.model.layers import DenseMLP, Embedding, RMSNorm, output_logits, param
 from megascale_jax.model.moe.layer import MoEFFN
 
 _STAT_KEYS = ("aux_loss", "z_loss", "tokens_per_expert", "dropped_tokens")
@@ -105,6 +105,5 @@ class Transformer(nnx.Module):
         if self.cfg.tie_embeddings:
             logits = self.embed.attend(x)
         else:
-            logits = jnp.einsum("bsd,dv->bsv", x, self.head_DV[...].astype(x.dtype),
-                                preferred_element_type=jnp.float32)
+            logits = output_logits("bsd,dv->bsv", x, self.head_DV[...])
         return logits, stats

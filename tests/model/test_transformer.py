@@ -1,6 +1,7 @@
 """Whole-model properties: causality, remat modes agree, parameter and FLOP accounting."""
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -96,3 +97,39 @@ def test_train_flops_per_token_mixtral_hand_count():
     assert model_size(m, 4096).train_flops_per_token == 3 * (2 * matmul + attention_core)
     # Roughly 6 x active parameters plus attention: ~ 6 * 12.9e9 = 77 GFLOP + attention.
     assert 75e9 < model_size(m, 4096).train_flops_per_token < 85e9
+
+
+def _dot_dtypes(jaxpr) -> list:
+    """(lhs, rhs, out) dtypes of every dot_general in a jaxpr, nested jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(tuple(str(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars)))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _dot_dtypes(sub)
+    return found
+
+
+def test_output_logits_backward_gemms_stay_in_the_compute_dtype():
+    """bf16 compute: the head's forward and both backward GEMMs take bf16 operands (a float32 cotangent
+    would make XLA run them as float32/TF32 GEMMs); the logits come back as float32 for the loss."""
+    from megascale_jax.model.layers import output_logits
+    from megascale_jax.model.loss import cross_entropy
+
+    kx, kw, kt = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (2, 8, 64), jnp.float32)
+    w = jax.random.normal(kw, (64, 96), jnp.float32) * 0.125
+    targets = jax.random.randint(kt, (2, 8), 0, 96)
+
+    def loss(x, w, dtype):
+        return cross_entropy(output_logits("bsd,dv->bsv", x.astype(dtype), w), targets)
+
+    grad_fn = jax.grad(loss, argnums=(0, 1))
+    dots = _dot_dtypes(jax.make_jaxpr(lambda x, w: grad_fn(x, w, jnp.bfloat16))(x, w).jaxpr)
+    assert len(dots) == 3 and all(d == ("bfloat16", "bfloat16", "bfloat16") for d in dots), dots
+    assert output_logits("bsd,dv->bsv", x.astype(jnp.bfloat16), w).dtype == jnp.float32
+    # Same loss and gradients as the float32 computation, to bf16 rounding.
+    got, want = grad_fn(x, w, jnp.bfloat16), grad_fn(x, w, jnp.float32)
+    assert abs(loss(x, w, jnp.bfloat16) - loss(x, w, jnp.float32)) < 2e-2
+    for g, r in zip(got, want):
+        assert np.linalg.norm(np.asarray(g, np.float32) - r) < 2e-2 * np.linalg.norm(r)
