@@ -1,4 +1,4 @@
-"""Communication of each manual plan, read from compiled HLO (no GPU): elements and bytes one device sends per
+"""Communication of each plan (the manual ones and XLA's propagation), read from compiled HLO (no GPU): elements and bytes one device sends per
 MoE layer forward, by component, next to the paper's closed forms. Explains the measured plan ratios.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m benchmarks.analyze_plans \
@@ -28,9 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     intra = args.intra or jax.device_count()
     rows, forms = {}, None
-    for plan, overrides in PLANS.items():
-        if plan == "xla":
-            continue
+    for plan, overrides in PLANS.items():   # 'xla': what the SPMD partitioner inserts (XLA:CPU's choice)
         cfg = default_config(args.config, num_devices=jax.device_count(), **{
             "parallel.intra": intra, **overrides, **_parse_overrides(args.set)})
         report = analyze(cfg, full_step=False)
