@@ -260,8 +260,11 @@ def main():
     p.add_argument("--routings", default="uniform,skewed")
     args = p.parse_args()
     shapes = dict(GOAL_SHAPES) if args.mode == "smoke" else {**GOAL_SHAPES, **model_shapes()}
-    if args.only:
-        shapes = {k: v for k, v in shapes.items() if k in args.only.split(",")}
+    if args.only:  # in the order given (a run cut by a time limit then has the first ones)
+        unknown = [k for k in args.only.split(",") if k not in shapes]
+        if unknown:
+            raise SystemExit(f"--only: unknown shapes {unknown}; choose from {sorted(shapes)} (--mode full for all)")
+        shapes = {k: shapes[k] for k in args.only.split(",")}
     routings = ["uniform"] if args.mode == "smoke" else args.routings.split(",")
     results, env = [], environment()
     args.environment = env
