@@ -1,7 +1,7 @@
 """ZeRO-1 data parallelism: optimizer state sharded over the data-parallel (DP) axis.
 
-Layout. The parameter pytree is flattened once into one vector of length L = padded_length(n, dp, block)
-(zero padding). Rank r of the DP axis owns the contiguous slice [r*L/dp, (r+1)*L/dp) and holds the optax
+Layout. The parameters (of one group, see Groups) are flattened into one vector of length
+L = padded_length(n, dp, block) (zero padding). Rank r of the DP axis owns the contiguous slice [r*L/dp, (r+1)*L/dp) and holds the optax
 state of that slice only; outside shard_map those state arrays are global [L] arrays sharded
 `P(axis)` (scalars such as Adam's step count are replicated). Parameters stay replicated over DP.
 
