@@ -5,6 +5,8 @@ Weight decay applies to matrices only (ndim >= 2): norms' scales are left alone,
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -36,7 +38,7 @@ def make_flat_optimizer(train_cfg, decay_mask_flat) -> optax.GradientTransformat
 def _masked_weight_decay(weight_decay: float, mask_flat) -> optax.GradientTransformation:
     def init(params):
         del params
-        return {"decay_mask": jax.numpy.asarray(mask_flat, jax.numpy.uint8)}   # 1 byte per parameter
+        return {"decay_mask": jnp.asarray(mask_flat, jnp.uint8)}   # 1 byte per parameter
 
     def update(updates, state, params):
         return updates + weight_decay * state["decay_mask"].astype(params.dtype) * params, state
@@ -45,9 +47,11 @@ def _masked_weight_decay(weight_decay: float, mask_flat) -> optax.GradientTransf
 
 
 def flat_decay_mask(params, length: int):
-    """1.0 on every element of a matrix (ndim >= 2), 0.0 elsewhere and on the padding, in ravel order."""
-    import numpy as np
-
+    """uint8 [length]: 1 on every element of a matrix (ndim >= 2), 0 elsewhere and on the padding, in ravel
+    order. Computed from the leaves' boundaries on device, so no constant of the vector's length (gigabytes
+    at paper scale) enters the program."""
     leaves = jax.tree.leaves(params)
-    mask = np.concatenate([np.full(p.size, 1 if p.ndim >= 2 else 0, np.uint8) for p in leaves])
-    return np.pad(mask, (0, length - mask.size))
+    ends = np.cumsum([p.size for p in leaves])
+    decay = np.array([p.ndim >= 2 for p in leaves] + [False], np.uint8)   # the last entry: the padding
+    segment = jnp.searchsorted(jnp.asarray(ends, jnp.int32), jnp.arange(length, dtype=jnp.int32), side="right")
+    return jnp.asarray(decay)[segment]

@@ -19,7 +19,12 @@ the router) are replicated along them. Each device flattens each group of its ow
 shared group's state and updated parameters stay replicated over shard_axes (state spec P(axis)); the
 sharded group's state is laid out P((*shard_axes, axis)). The global gradient norm sums the shared group
 over `axis` and the sharded group over `axis` and shard_axes, so every parameter counts once. Without
-shard_axes everything is one 'shared' group. Optimizer state is {group: optax state}.
+shard_axes everything is one 'shared' group.
+
+Buckets. Each group is cut, in leaf order, into buckets of at most `bucket_elements` elements (a larger leaf
+is a bucket of its own), each flattened and reduce-scattered on its own: indices stay int32 at any model
+size and no collective carries the whole model in one message. Optimizer state is {'<group>/<n>': optax
+state of that bucket}.
 
 The inner optimizer sees a flat 1-D slice, so it must act elementwise (adam/adamw/sgd/lion, schedules,
 plain weight decay). Transformations that need the pytree structure or the whole vector — global-norm
@@ -69,6 +74,7 @@ class Zero1:
     mode: gradient communication, one of grad_comm.GRAD_COMM_MODES.
     max_grad_norm: clip the global gradient norm to this value (None: no clipping).
     shard_axes: mesh axes along which some parameters are sharded (e.g. ('intra',)); () if none are.
+    bucket_elements: the most elements one flat bucket holds (2^28: 1 GiB of fp32 gradient).
     """
     optimizer: optax.GradientTransformation | OptimizerFactory
     axis: AxisName
@@ -76,8 +82,11 @@ class Zero1:
     max_grad_norm: float | None = None
     block_size: int = 128
     shard_axes: tuple[str, ...] = ()
+    bucket_elements: int = 1 << 28
 
     def __post_init__(self):
+        if not 0 < self.bucket_elements < 2**31:
+            raise ValueError(f"bucket_elements={self.bucket_elements} must be in (0, 2^31) (int32 indices)")
         if self.mode not in grad_comm.GRAD_COMM_MODES:
             raise ValueError(f"mode={self.mode!r}; use one of {grad_comm.GRAD_COMM_MODES}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -107,11 +116,21 @@ class Zero1:
         flat, unravel = jax.flatten_util.ravel_pytree(tree)
         return grad_comm.pad_flat(flat, length), unravel, flat.shape[0]
 
-    def _groups(self, sharded_flags) -> dict[str, list[int]]:
-        """Leaf indices of each non-empty group, in leaf order."""
-        groups = {SHARED: [i for i, s in enumerate(sharded_flags) if not s],
-                  SHARDED: [i for i, s in enumerate(sharded_flags) if s]}
-        return {g: idx for g, idx in groups.items() if idx}
+    def _buckets(self, sharded_flags, sizes) -> dict[str, list[int]]:
+        """Leaf indices of each bucket '<group>/<n>' (see Buckets), in leaf order; no empty bucket."""
+        out = {}
+        for group, sharded in ((SHARED, False), (SHARDED, True)):
+            buckets, count = [[]], 0
+            for i, (flag, size) in enumerate(zip(sharded_flags, sizes)):
+                if flag != sharded:
+                    continue
+                if buckets[-1] and count + size > self.bucket_elements:
+                    buckets.append([])
+                    count = 0
+                buckets[-1].append(i)
+                count += size
+            out.update({f"{group}/{n}": bucket for n, bucket in enumerate(buckets) if bucket})
+        return out
 
     def _sharded_by_spec(self, spec) -> bool:
         named = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
@@ -139,11 +158,11 @@ class Zero1:
             _axis_size_in_mesh(mesh, self.shard_axes)
         param_specs = param_specs if param_specs is not None else jax.tree.map(lambda _: P(), params)
         spec_leaves = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
-        groups = self._groups([self._sharded_by_spec(s) for s in spec_leaves])
+        sharded_flags = [self._sharded_by_spec(s) for s in spec_leaves]
 
         def init_local(p):
             leaves, rank, state = jax.tree.leaves(p), lax.axis_index(self.axis), {}
-            for group, idx in groups.items():
+            for group, idx in self._buckets(sharded_flags, [x.size for x in leaves]).items():
                 mine = [leaves[i] for i in idx]
                 length = self.flat_length(mine, dp)
                 flat = self._flatten_padded(mine, length)[0]
@@ -164,8 +183,8 @@ class Zero1:
         """PartitionSpecs of the state (for shard_map in_specs/out_specs): vectors of group 'shared' are
         P(axis), of group 'sharded' P((*shard_axes, axis)); scalars (Adam's count) are replicated."""
         vector = {SHARED: P(self.axis), SHARDED: P(tuple(self.shard_axes) + self._axes)}
-        return {g: jax.tree.map(lambda x, g=g: vector[g] if jnp.ndim(x) >= 1 else P(), s)
-                for g, s in opt_state.items()}
+        return {key: jax.tree.map(lambda x, v=vector[key.split("/")[0]]: v if jnp.ndim(x) >= 1 else P(), s)
+                for key, s in opt_state.items()}
 
     def state_shardings(self, mesh: jax.sharding.Mesh, opt_state) -> Any:
         return jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.state_specs(opt_state),
@@ -183,7 +202,7 @@ class Zero1:
         dp = lax.axis_size(self.axis)
         leaves, treedef = jax.tree.flatten(params)
         grad_leaves = treedef.flatten_up_to(grads_local)
-        groups = self._groups([self._sharded_by_type(x) for x in leaves])
+        groups = self._buckets([self._sharded_by_type(x) for x in leaves], [x.size for x in leaves])
         rank = lax.axis_index(self.axis)
 
         work, norm_sq = {}, jnp.zeros((), jnp.float32)
@@ -194,7 +213,7 @@ class Zero1:
             flat_grads = self._flatten_padded([grad_leaves[i].astype(jnp.float32) for i in idx], length)[0]
             grad_slice = grad_comm.reduce_scatter_gradients(
                 flat_grads, axis=self.axis, mode=self.mode, block_size=self.block_size) / dp
-            along = self._axes + (tuple(self.shard_axes) if group == SHARDED else ())
+            along = self._axes + (tuple(self.shard_axes) if group.startswith(SHARDED) else ())
             norm_sq = norm_sq + lax.psum(jnp.sum(jnp.square(grad_slice)), along)
             work[group] = (mine, length, flat_params, unravel, num, grad_slice)
         grad_norm = jnp.sqrt(norm_sq)
