@@ -46,12 +46,12 @@ def _masked_weight_decay(weight_decay: float, mask_flat) -> optax.GradientTransf
     return optax.GradientTransformation(init, update)
 
 
-def flat_decay_mask(params, length: int):
-    """uint8 [length]: 1 on every element of a matrix (ndim >= 2), 0 elsewhere and on the padding, in ravel
-    order. Computed from the leaves' boundaries on device, so no constant of the vector's length (gigabytes
-    at paper scale) enters the program."""
-    leaves = jax.tree.leaves(params)
-    ends = np.cumsum([p.size for p in leaves])
-    decay = np.array([p.ndim >= 2 for p in leaves] + [False], np.uint8)   # the last entry: the padding
+def flat_decay_mask(segments, length: int):
+    """uint8 [length]: 1 on elements of matrices (ndim >= 2), 0 elsewhere and on the padding, for a flat
+    vector laid out as `segments` = [(ndim of the leaf, elements of it), ...] in order (a ZeRO-1 bucket).
+    Computed from the segment boundaries on device, so no constant of the vector's length (gigabytes at
+    paper scale) enters the program."""
+    ends = np.cumsum([count for _, count in segments])
+    decay = np.array([ndim >= 2 for ndim, _ in segments] + [False], np.uint8)   # the last entry: the padding
     segment = jnp.searchsorted(jnp.asarray(ends, jnp.int32), jnp.arange(length, dtype=jnp.int32), side="right")
     return jnp.asarray(decay)[segment]

@@ -90,7 +90,7 @@ def _zero1(cfg, abstract_params, param_shardings, mesh):
     Each device flattens its own parameter shards (experts or TP slices differ along 'intra': Zero1's
     shard_axes), so the weight-decay mask is built per group from the leaves each device holds."""
     shard_axes = (INTRA,) if mesh.shape[INTRA] > 1 else ()
-    optimizer = lambda leaves, length: make_flat_optimizer(cfg.train, flat_decay_mask(leaves, length))  # noqa: E731
+    optimizer = lambda segments, length: make_flat_optimizer(cfg.train, flat_decay_mask(segments, length))  # noqa: E731
     zero = Zero1(optimizer, DATA, cfg.parallel.grad_comm, cfg.train.grad_clip or None, shard_axes=shard_axes)
     specs = jax.tree.map(lambda s: s.spec, param_shardings)
     abstract_opt = jax.eval_shape(lambda p: zero.init(p, mesh, specs), abstract_params)

@@ -21,10 +21,10 @@ sharded group's state is laid out P((*shard_axes, axis)). The global gradient no
 over `axis` and the sharded group over `axis` and shard_axes, so every parameter counts once. Without
 shard_axes everything is one 'shared' group.
 
-Buckets. Each group is cut, in leaf order, into buckets of at most `bucket_elements` elements (a larger leaf
-is a bucket of its own), each flattened and reduce-scattered on its own: indices stay int32 at any model
-size and no collective carries the whole model in one message. Optimizer state is {'<group>/<n>': optax
-state of that bucket}.
+Buckets. Each group's leaves, raveled and laid end to end in leaf order, are cut into buckets of at most
+`bucket_elements` elements (a stacked expert weight of several billion elements spans several buckets), each
+flattened and reduce-scattered on its own: every offset is static or below 2^31, and no collective carries
+the whole model in one message. Optimizer state is {'<group>/<n>': optax state of that bucket}.
 
 The inner optimizer sees a flat 1-D slice, so it must act elementwise (adam/adamw/sgd/lion, schedules,
 plain weight decay). Transformations that need the pytree structure or the whole vector — global-norm
@@ -36,7 +36,6 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
-import jax.flatten_util
 import jax.numpy as jnp
 import optax
 from jax import lax
@@ -60,6 +59,17 @@ def _axis_size_in_mesh(mesh: jax.sharding.Mesh, axis: AxisName) -> int:
 
 
 SHARED, SHARDED = "shared", "sharded"
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One flat vector's contents: (leaf index, first element, end element) ranges of raveled leaves, in order."""
+    pieces: tuple[tuple[int, int, int], ...]
+
+    @property
+    def size(self) -> int:
+        return sum(stop - start for _, start, stop in self.pieces)
+
 OptimizerFactory = Callable[[list, int], optax.GradientTransformation]
 
 
@@ -68,8 +78,8 @@ class Zero1:
     """ZeRO-1 optimizer wrapper. See the module docstring for the layout and the step.
 
     optimizer: an elementwise optax transformation (e.g. `optax.adamw(3e-4, weight_decay=0.1)`), or a function
-        (leaves of one group, padded flat length) -> transformation, for state that depends on the flat
-        layout (the trainer's weight-decay mask).
+        (segments, padded length) -> transformation for state that depends on the flat layout (the trainer's
+        weight-decay mask); segments are (ndim of the leaf, elements of it in this bucket), in bucket order.
     axis: the DP mesh axis name (or tuple of names), e.g. 'data'.
     mode: gradient communication, one of grad_comm.GRAD_COMM_MODES.
     max_grad_norm: clip the global gradient norm to this value (None: no clipping).
@@ -107,30 +117,34 @@ class Zero1:
         num = sum(x.size for x in jax.tree.leaves(params))
         return grad_comm.padded_length(num, dp, self.block_size)
 
-    def optimizer_for(self, leaves, length: int) -> optax.GradientTransformation:
+    def optimizer_for(self, bucket: "Bucket", leaves, length: int) -> optax.GradientTransformation:
         if isinstance(self.optimizer, optax.GradientTransformation):
             return self.optimizer
-        return self.optimizer(leaves, length)
+        return self.optimizer([(leaves[i].ndim, stop - start) for i, start, stop in bucket.pieces], length)
 
-    def _flatten_padded(self, tree, length: int):
-        flat, unravel = jax.flatten_util.ravel_pytree(tree)
-        return grad_comm.pad_flat(flat, length), unravel, flat.shape[0]
-
-    def _buckets(self, sharded_flags, sizes) -> dict[str, list[int]]:
-        """Leaf indices of each bucket '<group>/<n>' (see Buckets), in leaf order; no empty bucket."""
+    def _bucket_plan(self, sharded_flags, sizes) -> dict[str, "Bucket"]:
+        """The buckets '<group>/<n>' (see Buckets): static element ranges of the group's leaves, in order."""
         out = {}
         for group, sharded in ((SHARED, False), (SHARDED, True)):
-            buckets, count = [[]], 0
+            buckets, used = [[]], 0
             for i, (flag, size) in enumerate(zip(sharded_flags, sizes)):
-                if flag != sharded:
-                    continue
-                if buckets[-1] and count + size > self.bucket_elements:
-                    buckets.append([])
-                    count = 0
-                buckets[-1].append(i)
-                count += size
-            out.update({f"{group}/{n}": bucket for n, bucket in enumerate(buckets) if bucket})
+                start = 0
+                while flag == sharded and start < size:
+                    if used == self.bucket_elements:
+                        buckets.append([])
+                        used = 0
+                    take = min(size - start, self.bucket_elements - used)
+                    buckets[-1].append((i, start, start + take))
+                    used, start = used + take, start + take
+            out.update({f"{group}/{n}": Bucket(tuple(b)) for n, b in enumerate(buckets) if b})
         return out
+
+    def _flatten(self, bucket: "Bucket", leaves, length: int, dtype=None):
+        """The bucket's pieces laid end to end (in `dtype`, default their common type), zero-padded."""
+        dtype = dtype or jnp.result_type(*(leaves[i] for i, _, _ in bucket.pieces))
+        flat = jnp.concatenate([leaves[i].reshape(-1)[start:stop].astype(dtype)
+                                for i, start, stop in bucket.pieces])
+        return grad_comm.pad_flat(flat, length)
 
     def _sharded_by_spec(self, spec) -> bool:
         named = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
@@ -162,14 +176,12 @@ class Zero1:
 
         def init_local(p):
             leaves, rank, state = jax.tree.leaves(p), lax.axis_index(self.axis), {}
-            for group, idx in self._buckets(sharded_flags, [x.size for x in leaves]).items():
-                mine = [leaves[i] for i in idx]
-                length = self.flat_length(mine, dp)
-                flat = self._flatten_padded(mine, length)[0]
+            for key, bucket in self._bucket_plan(sharded_flags, [x.size for x in leaves]).items():
+                length = grad_comm.padded_length(bucket.size, dp, self.block_size)
                 n = length // dp
-                state[group] = jax.tree.map(
+                state[key] = jax.tree.map(
                     lambda x, n=n: lax.dynamic_slice_in_dim(x, rank * n, n) if jnp.ndim(x) >= 1 else x,
-                    self.optimizer_for(mine, length).init(flat))
+                    self.optimizer_for(bucket, leaves, length).init(self._flatten(bucket, leaves, length)))
             return state
 
         def run(p):
@@ -202,33 +214,35 @@ class Zero1:
         dp = lax.axis_size(self.axis)
         leaves, treedef = jax.tree.flatten(params)
         grad_leaves = treedef.flatten_up_to(grads_local)
-        groups = self._buckets([self._sharded_by_type(x) for x in leaves], [x.size for x in leaves])
+        plan = self._bucket_plan([self._sharded_by_type(x) for x in leaves], [x.size for x in leaves])
         rank = lax.axis_index(self.axis)
 
-        work, norm_sq = {}, jnp.zeros((), jnp.float32)
-        for group, idx in groups.items():
-            mine = [leaves[i] for i in idx]
-            length = self.flat_length(mine, dp)
-            flat_params, unravel, num = self._flatten_padded(mine, length)
-            flat_grads = self._flatten_padded([grad_leaves[i].astype(jnp.float32) for i in idx], length)[0]
-            grad_slice = grad_comm.reduce_scatter_gradients(
+        grad_slices, norm_sq = {}, jnp.zeros((), jnp.float32)
+        for key, bucket in plan.items():
+            length = grad_comm.padded_length(bucket.size, dp, self.block_size)
+            flat_grads = self._flatten(bucket, grad_leaves, length, jnp.float32)
+            grad_slices[key] = grad_comm.reduce_scatter_gradients(
                 flat_grads, axis=self.axis, mode=self.mode, block_size=self.block_size) / dp
-            along = self._axes + (tuple(self.shard_axes) if group.startswith(SHARDED) else ())
-            norm_sq = norm_sq + lax.psum(jnp.sum(jnp.square(grad_slice)), along)
-            work[group] = (mine, length, flat_params, unravel, num, grad_slice)
+            along = self._axes + (tuple(self.shard_axes) if key.startswith(SHARDED) else ())
+            norm_sq = norm_sq + lax.psum(jnp.sum(jnp.square(grad_slices[key])), along)
         grad_norm = jnp.sqrt(norm_sq)
 
-        new_leaves, new_state, clip_scale = list(leaves), {}, jnp.ones((), jnp.float32)
-        for group, (mine, length, flat_params, unravel, num, grad_slice) in work.items():
-            grad_slice, clip_scale = self._clip(grad_slice, grad_norm)
+        pieces, new_state, clip_scale = {i: [] for i in range(len(leaves))}, {}, jnp.ones((), jnp.float32)
+        for key, bucket in plan.items():
+            length = grad_comm.padded_length(bucket.size, dp, self.block_size)
+            grad_slice, clip_scale = self._clip(grad_slices[key], grad_norm)
             n = length // dp
-            param_slice = lax.dynamic_slice_in_dim(flat_params, rank * n, n)
-            updates, new_state[group] = self.optimizer_for(mine, length).update(
-                grad_slice.astype(param_slice.dtype), opt_state[group], param_slice)
+            param_slice = lax.dynamic_slice_in_dim(self._flatten(bucket, leaves, length), rank * n, n)
+            updates, new_state[key] = self.optimizer_for(bucket, leaves, length).update(
+                grad_slice.astype(param_slice.dtype), opt_state[key], param_slice)
             new_slice = optax.apply_updates(param_slice, updates)
-            new_flat = lax.all_gather(new_slice, self.axis, tiled=True, to='invarying')[:num]
-            for i, value in zip(groups[group], unravel(new_flat)):
-                new_leaves[i] = value
+            new_flat = lax.all_gather(new_slice, self.axis, tiled=True, to='invarying')
+            offset = 0
+            for i, start, stop in bucket.pieces:
+                pieces[i].append(new_flat[offset:offset + stop - start])
+                offset += stop - start
+        new_leaves = [jnp.concatenate(pieces[i]).reshape(x.shape).astype(x.dtype) if pieces[i] else x
+                      for i, x in enumerate(leaves)]
         stats = {"grad_norm": grad_norm, "clip_scale": clip_scale}
         return treedef.unflatten(new_leaves), new_state, stats
 
