@@ -45,7 +45,10 @@ class Embedding(nnx.Module):
         return jnp.take(self.table_VD[...], tokens_BS, axis=0).astype(dtype)
 
     def attend(self, x_BSD):
-        """Tied output head: logits against the embedding table (see `output_logits`)."""
+        """Tied output head: logits against the embedding table (see `output_logits`), scaled by 1/sqrt(dim).
+        Why: the table is initialised with std 1 (right for inputs), so the unscaled product of a unit-RMS
+        hidden state with it has logits of std sqrt(dim): a first loss of ~28 nats at dim 128, vocab 256."""
+        x_BSD = x_BSD * jnp.asarray(x_BSD.shape[-1] ** -0.5, x_BSD.dtype)
         return output_logits("bsd,vd->bsv", x_BSD, self.table_VD[...])
 
 

@@ -133,3 +133,12 @@ def test_output_logits_backward_gemms_stay_in_the_compute_dtype():
     assert abs(loss(x, w, jnp.bfloat16) - loss(x, w, jnp.float32)) < 2e-2
     for g, r in zip(got, want):
         assert np.linalg.norm(np.asarray(g, np.float32) - r) < 2e-2 * np.linalg.norm(r)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_initial_loss_is_near_uniform_over_the_vocabulary(tie):
+    """At initialisation the logits are small, tied head or not: the loss is about ln(vocab)."""
+    cfg = _small(**{"model.tie_embeddings": tie})
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, cfg.model.vocab_size)
+    loss, metrics = objective(_model(cfg), {"inputs": tokens, "targets": tokens}, LocalLayout(), cfg.model.moe)
+    assert abs(float(metrics["ce"]) - np.log(cfg.model.vocab_size)) < 1.0
