@@ -84,6 +84,11 @@ def build_trainer(cfg: config_lib.Config, devices=None) -> Trainer:
     return Trainer(cfg, plan, mesh, graphdef, optimizer, shardings, abstract, layout_for(cfg, plan, mesh), zero)
 
 
+# ZeRO-1's flat vectors are padded to a multiple of this, so for every data-parallel size dividing 64 the state
+# has the same global shapes and a checkpoint restores onto another data-parallel size (<= 8192 zeros a bucket).
+ZERO_PAD_MULTIPLE = 64 * 128
+
+
 def _zero1(cfg, abstract_params, param_shardings, mesh):
     """ZeRO-1 over the data axis: the optimizer and the shapes/shardings of its flat, sharded state.
 
@@ -91,7 +96,8 @@ def _zero1(cfg, abstract_params, param_shardings, mesh):
     shard_axes), so the weight-decay mask is built per group from the leaves each device holds."""
     shard_axes = (INTRA,) if mesh.shape[INTRA] > 1 else ()
     optimizer = lambda segments, length: make_flat_optimizer(cfg.train, flat_decay_mask(segments, length))  # noqa: E731
-    zero = Zero1(optimizer, DATA, cfg.parallel.grad_comm, cfg.train.grad_clip or None, shard_axes=shard_axes)
+    zero = Zero1(optimizer, DATA, cfg.parallel.grad_comm, cfg.train.grad_clip or None, shard_axes=shard_axes,
+                 pad_multiple=ZERO_PAD_MULTIPLE)
     specs = jax.tree.map(lambda s: s.spec, param_shardings)
     abstract_opt = jax.eval_shape(lambda p: zero.init(p, mesh, specs), abstract_params)
     return zero, abstract_opt, zero.state_shardings(mesh, abstract_opt)

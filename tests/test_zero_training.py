@@ -24,6 +24,19 @@ def test_zero1_trains_equal_to_plain_data_parallel_and_compression_stays_close(t
         np.testing.assert_allclose(compressed, plain, rtol=1e-3)
 
 
+def test_zero1_checkpoint_resumes_onto_another_data_parallel_size(tmp_path):
+    """3 steps with data = 8, checkpoint, 3 more with data = 2 (the flat state's global shape does not depend
+    on dp): the losses follow the uninterrupted 8-device run."""
+    overrides = {**COMMON, **ZERO, "train.steps": 6, "checkpoint.every": 3, "checkpoint.async_save": False}
+    cfg = lambda name, n: default_config("tiny_cpu", num_devices=n, **overrides, **{  # noqa: E731
+        "output.dir": str(tmp_path / name), "checkpoint.dir": str(tmp_path / name / "ckpt")})
+    straight = train.run(cfg("straight", 8))
+    first = train.run(cfg("resumed", 8), stop_after=3)
+    second = train.run(cfg("resumed", 2), devices=jax.devices()[:2])
+    assert [l["step"] for l in second] == [4, 5, 6]
+    np.testing.assert_allclose([l["loss"] for l in first + second], [l["loss"] for l in straight], rtol=1e-5)
+
+
 @pytest.mark.parametrize("intra", [1, 2])
 def test_zero1_optimizer_state_per_device_falls_by_the_dp_size(intra):
     dp = 8 // intra

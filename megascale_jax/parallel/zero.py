@@ -1,8 +1,8 @@
 """ZeRO-1 data parallelism: optimizer state sharded over the data-parallel (DP) axis.
 
-Layout. The parameters (of one group, see Groups) are flattened into one vector of length
-L = padded_length(n, dp, block) (zero padding). Rank r of the DP axis owns the contiguous slice [r*L/dp, (r+1)*L/dp) and holds the optax
-state of that slice only; outside shard_map those state arrays are global [L] arrays sharded
+Layout. The parameters (of one bucket, see Groups and Buckets) are flattened into one vector of length
+L = n rounded up to a multiple of dp * block (and of `pad_multiple`), zero padded. Rank r of the DP axis
+owns the contiguous slice [r*L/dp, (r+1)*L/dp) and holds the optax state of that slice only; outside shard_map those state arrays are global [L] arrays sharded
 `P(axis)` (scalars such as Adam's step count are replicated). Parameters stay replicated over DP.
 
 One step (inside shard_map, every rank passing its LOCAL fp32-accumulated gradient):
@@ -33,6 +33,7 @@ clipping (done here instead), per-leaf masks, factored (adafactor) statistics â€
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -85,6 +86,10 @@ class Zero1:
     max_grad_norm: clip the global gradient norm to this value (None: no clipping).
     shard_axes: mesh axes along which some parameters are sharded (e.g. ('intra',)); () if none are.
     bucket_elements: the most elements one flat bucket holds (2^28: 1 GiB of fp32 gradient).
+    pad_multiple: flat vectors are padded to a multiple of lcm(dp * block_size, pad_multiple). With a
+        pad_multiple that dp * block_size divides for every dp you run (e.g. 64 * block_size for dp in
+        1, 2, 4, ..., 64), the state's global shapes do not depend on dp, so a checkpoint restores onto another
+        data-parallel size. 0: pad to dp * block_size only (least padding).
     """
     optimizer: optax.GradientTransformation | OptimizerFactory
     axis: AxisName
@@ -93,8 +98,11 @@ class Zero1:
     block_size: int = 128
     shard_axes: tuple[str, ...] = ()
     bucket_elements: int = 1 << 28
+    pad_multiple: int = 0
 
     def __post_init__(self):
+        if self.pad_multiple < 0:
+            raise ValueError(f"pad_multiple={self.pad_multiple} must be >= 0")
         if not 0 < self.bucket_elements < 2**31:
             raise ValueError(f"bucket_elements={self.bucket_elements} must be in (0, 2^31) (int32 indices)")
         if self.mode not in grad_comm.GRAD_COMM_MODES:
@@ -114,8 +122,12 @@ class Zero1:
     # ---- layout -------------------------------------------------------------------------------------
     def flat_length(self, params, dp: int) -> int:
         """Padded length L of the flat vector of `params` (a pytree or one group's leaves) for `dp` ranks."""
-        num = sum(x.size for x in jax.tree.leaves(params))
-        return grad_comm.padded_length(num, dp, self.block_size)
+        return self._padded(sum(x.size for x in jax.tree.leaves(params)), dp)
+
+    def _padded(self, size: int, dp: int) -> int:
+        """size rounded up to a multiple of lcm(dp * block_size, pad_multiple) (at least one multiple)."""
+        quantum = math.lcm(dp * self.block_size, max(self.pad_multiple, 1))
+        return max(quantum, -(-size // quantum) * quantum)
 
     def optimizer_for(self, bucket: "Bucket", leaves, length: int) -> optax.GradientTransformation:
         if isinstance(self.optimizer, optax.GradientTransformation):
@@ -177,7 +189,7 @@ class Zero1:
         def init_local(p):
             leaves, rank, state = jax.tree.leaves(p), lax.axis_index(self.axis), {}
             for key, bucket in self._bucket_plan(sharded_flags, [x.size for x in leaves]).items():
-                length = grad_comm.padded_length(bucket.size, dp, self.block_size)
+                length = self._padded(bucket.size, dp)
                 n = length // dp
                 state[key] = jax.tree.map(
                     lambda x, n=n: lax.dynamic_slice_in_dim(x, rank * n, n) if jnp.ndim(x) >= 1 else x,
@@ -219,7 +231,7 @@ class Zero1:
 
         grad_slices, norm_sq = {}, jnp.zeros((), jnp.float32)
         for key, bucket in plan.items():
-            length = grad_comm.padded_length(bucket.size, dp, self.block_size)
+            length = self._padded(bucket.size, dp)
             flat_grads = self._flatten(bucket, grad_leaves, length, jnp.float32)
             grad_slices[key] = grad_comm.reduce_scatter_gradients(
                 flat_grads, axis=self.axis, mode=self.mode, block_size=self.block_size) / dp
@@ -229,7 +241,7 @@ class Zero1:
 
         pieces, new_state, clip_scale = {i: [] for i in range(len(leaves))}, {}, jnp.ones((), jnp.float32)
         for key, bucket in plan.items():
-            length = grad_comm.padded_length(bucket.size, dp, self.block_size)
+            length = self._padded(bucket.size, dp)
             grad_slice, clip_scale = self._clip(grad_slices[key], grad_norm)
             n = length // dp
             param_slice = lax.dynamic_slice_in_dim(self._flatten(bucket, leaves, length), rank * n, n)
