@@ -7,11 +7,14 @@ tokamax's ragged_dot, torch._grouped_mm (a torch subprocess) and the dense GEMM 
 Shapes: the two goal shapes of issue 4 (Mixtral-like M=32768 K=4096 N=14336 G=8; fine-grained
 M=8192 K=4096 N=1408 G=16) and the up-projection of each of the paper's six models at EP=8 with
 8192 tokens per GPU before dispatch: M = 8192 * top_k rows, G = experts / 8 local experts.
-Routing: uniform, and skewed (one expert takes 40% of the rows, the rest split evenly).
+Routing: uniform, skewed (one expert takes 40% of the rows, the rest split evenly), and padded (half the rows
+routed uniformly, the other half a zero tail, as in an expert-parallel dropless buffer at n = 2; `ours` and
+`ours_mask_tail` differ in who writes that tail, see GroupedGemmTuning.zero_tail).
 TFLOP/s counts 2*M*K*N per GEMM (3 GEMMs for forward+backward). Timing: a loop of calls between two
 host syncs (no sync per call), median of several loops, after a warm-up call that compiles.
 """
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -39,6 +42,8 @@ def model_shapes():
 
 
 def group_sizes_for(m, g, routing):
+    if routing == "padded":  # an expert-parallel dropless receive buffer at n = 2: half the rows are the tail
+        return jnp.asarray(np.full(g, (m // 2) // g), jnp.int32)
     if routing == "uniform" or g == 1:
         sizes = np.full(g, m // g)
     else:
@@ -77,6 +82,9 @@ def jax_impls(gs, with_bwd, tuning=None):
     xla = lambda x, w: jax.lax.ragged_dot(x, w, gs)  # noqa: E731
     dense = lambda x, w: x @ w[0]  # noqa: E731
     impls = {"ours": ours, "xla_ragged_dot": xla, "dense_same_flops": dense}
+    if tuning is None:  # the other owner of the zero tail (GroupedGemmTuning.zero_tail), same tiles
+        impls["ours_mask_tail"] = lambda x, w: grouped_gemm(x, w, gs, tuning=dataclasses.replace(  # noqa: E731
+            default_tuning(x.shape[0], x.shape[1], w.shape[2], w.shape[0]), zero_tail="mask"))
     fwd = {k: jax.jit(f) for k, f in impls.items()}
     bwd = {k: fwd_bwd(f) for k, f in impls.items()} if with_bwd else {}
     return fwd, bwd
@@ -126,7 +134,7 @@ def measure_shape(name, shape, routing, args, results, impl_filter):
     x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
     w = jax.random.normal(keys[1], (g, k, n), jnp.bfloat16)
     dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
-    flops = 2.0 * m * k * n
+    flops = 2.0 * int(np.sum(np.asarray(gs))) * k * n   # useful FLOPs: rows routed to a group
     row = dict(shape=name, routing=routing, M=m, K=k, N=n, G=g, group_sizes=np.asarray(gs).tolist(),
                tflops={}, errors={})
     ref = jax.jit(lambda x, w: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32))(x, w)
@@ -150,13 +158,13 @@ def measure_shape(name, shape, routing, args, results, impl_filter):
 
     fwd, bwd = jax_impls(gs, args.bwd)
     for label, fn in fwd.items():
-        if label == "xla_ragged_dot" and args.mode == "smoke":
-            continue
+        if (label == "xla_ragged_dot" and args.mode == "smoke") or (label.startswith("dense") and routing == "padded"):
+            continue   # (dense over all M rows is not the same FLOPs as the padded problem)
         record(f"{label}/fwd", fn, (x, w), flops)
     for label, fn in mgpu_fwd(gs, m, n).items():
         record(f"{label}/fwd", fn, (x, w), flops)
     for label, fn in bwd.items():
-        if label == "xla_ragged_dot" and args.mode == "smoke":
+        if (label == "xla_ragged_dot" and args.mode == "smoke") or (label.startswith("dense") and routing == "padded"):
             continue
         record(f"{label}/fwd+bwd", fn, (x, w, dy), 3 * flops)
     if args.sweep and name.startswith("goal") and routing == "uniform":

@@ -56,12 +56,19 @@ class GemmTiling:
 @dataclasses.dataclass(frozen=True)
 class GroupedGemmTuning:
     """Per-kernel tiles: forward `fwd`, input gradient `dgrad`, weight gradient `wgrad` (its tile_m runs
-    over K, tile_n over N, tile_k over tokens). `num_sms=None` reads the device's SM count."""
+    over K, tile_n over N, tile_k over tokens). `num_sms=None` reads the device's SM count.
+
+    `zero_tail` says who writes the zero rows past sum(group_sizes) of y and dx: 'kernel' (its tail tiles
+    stream their K loop of loads and skip only the MMA) or 'mask' (the kernels skip those tiles and a
+    jnp.where zeroes them; XLA can fuse the select into the consumer, a standalone call pays one pass over
+    the output). A long tail (expert-parallel dropless buffers are n x the average rows) is where they
+    differ; `benchmarks/bench_grouped_gemm.py --routings padded` times both."""
 
     fwd: GemmTiling = GemmTiling()
     dgrad: GemmTiling = GemmTiling()
     wgrad: GemmTiling = GemmTiling(max_concurrent_steps=4, wg_split="m")
     num_sms: int | None = None
+    zero_tail: str = "kernel"
 
 
 def _fit_tiling(base: GemmTiling, n_cols: int, name: str) -> GemmTiling:
@@ -105,7 +112,7 @@ def _group_bounds(group_sizes_G, m):
     return starts, jnp.maximum(ends, starts)
 
 
-def _row_tile_table(group_sizes_G, m: int, tile: int):
+def _row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True):
     """int32 [4, S]: for each (segment, row tile) work slot its segment, tile index, first row inside the
     tile and row count; and int32 [1], the number of valid slots. Segment G is the tail past
     sum(group_sizes): it is stored as zeros. S = cdiv(m, tile) + G bounds the slot count (each boundary
@@ -127,7 +134,8 @@ def _row_tile_table(group_sizes_G, m: int, tile: int):
     hi = jnp.minimum(ends[seg], block * tile + tile) - block * tile
     count = jnp.where(valid, hi - lo, 0)
     table = jnp.stack([seg, jnp.where(valid, block, 0), lo, count]).astype(jnp.int32)
-    return table, inclusive[-1:].astype(jnp.int32)  # valid slots come first; their number
+    # Valid slots come first, the tail's last; their number (without the tail's when with_tail is False).
+    return table, (inclusive[-1:] if with_tail else inclusive[-2:-1]).astype(jnp.int32)
 
 
 def _token_block_table(group_sizes_G, m: int, tile: int):
@@ -347,13 +355,17 @@ def _fit_smem(cfg: GemmTiling, stage_elems: int, out_dtype) -> GemmTiling:
     return dataclasses.replace(cfg, max_concurrent_steps=steps)
 
 
-def _ragged_matmul(x, w, group_sizes, out_dtype, cfg, transpose_w, num_sms, interpret):
+def _ragged_matmul(x, w, group_sizes, out_dtype, cfg, transpose_w, num_sms, interpret, zero_tail="kernel"):
     m = x.shape[0]
     cfg = _fit_smem(cfg, (cfg.cta_m + cfg.cta_n) * cfg.tile_k, out_dtype)
     n = w.shape[1] if transpose_w else w.shape[2]
-    table, num_valid = _row_tile_table(group_sizes, m, cfg.cta_m)
+    table, num_valid = _row_tile_table(group_sizes, m, cfg.cta_m, with_tail=zero_tail == "kernel")
     body = functools.partial(_ragged_kernel, cfg=cfg, transpose_w=transpose_w)
-    return _launch(body, (m, n), out_dtype, num_sms, interpret, table, num_valid, x, w)
+    out = _launch(body, (m, n), out_dtype, num_sms, interpret, table, num_valid, x, w)
+    if zero_tail == "kernel":
+        return out
+    rows_M1 = jnp.arange(m, dtype=jnp.int32)[:, None]   # rows the kernel did not write hold garbage
+    return jnp.where(rows_M1 < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
 
 
 def _weight_grad(x, dy, group_sizes, out_dtype, cfg, num_sms, interpret):
@@ -367,7 +379,7 @@ def _weight_grad(x, dy, group_sizes, out_dtype, cfg, num_sms, interpret):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _grouped_gemm(x, w, group_sizes, out_dtype, interpret, tuning):
     sms = _num_sms(tuning, interpret)
-    y = _ragged_matmul(x, w, group_sizes, out_dtype, tuning.fwd, False, sms, interpret)
+    y = _ragged_matmul(x, w, group_sizes, out_dtype, tuning.fwd, False, sms, interpret, tuning.zero_tail)
     return _vary_like(y, x, w, group_sizes)
 
 
@@ -406,7 +418,7 @@ def _grouped_gemm_bwd(out_dtype, interpret, tuning, residuals, dy):
     x, w, group_sizes = residuals
     dy = dy.astype(x.dtype)  # wgmma takes both operands in one dtype; accumulation stays fp32
     sms = _num_sms(tuning, interpret)
-    dx = _ragged_matmul(dy, w, group_sizes, x.dtype, tuning.dgrad, True, sms, interpret)
+    dx = _ragged_matmul(dy, w, group_sizes, x.dtype, tuning.dgrad, True, sms, interpret, tuning.zero_tail)
     dw = _weight_grad(x, dy, group_sizes, w.dtype, tuning.wgrad, sms, interpret)
     return (_match_varying(dx, x, dy, w, group_sizes), _match_varying(dw, w, x, dy, group_sizes),
             np.zeros(group_sizes.shape, jax.dtypes.float0))
@@ -446,6 +458,8 @@ def _validate(x_MK, w_GKN, group_sizes_G, preferred_element_type, tuning):
     _check_tiling("fwd", fwd, [("N", n, fwd.cta_n), ("K", k, fwd.tile_k)], "forward")
     _check_tiling("dgrad", dgrad, [("K", k, dgrad.cta_n), ("N", n, dgrad.tile_k)], "input gradient")
     _check_tiling("wgrad", wgrad, [("K", k, wgrad.cta_m), ("N", n, wgrad.cta_n)], "weight gradient")
+    if tuning.zero_tail not in ("kernel", "mask"):
+        raise ValueError(f"tuning.zero_tail must be 'kernel' or 'mask', got {tuning.zero_tail!r}")
     return out_dtype, tuning
 
 

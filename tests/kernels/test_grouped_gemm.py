@@ -5,6 +5,8 @@ buffer with NaN before the kernel runs, so an element the kernel never writes fa
 GPU (`-m gpu`, MEGASCALE_TEST_GPU=1): the same checks at larger shapes with the default tuning, the
 output memory poisoned with NaN just before each run.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,11 +71,13 @@ INTERPRET_CASES = {
 }
 
 
+@pytest.mark.parametrize("zero_tail", ["kernel", "mask"])
 @pytest.mark.parametrize("case", sorted(INTERPRET_CASES))
-def test_interpret_forward_and_gradients_match_ragged_dot(case):
+def test_interpret_forward_and_gradients_match_ragged_dot(case, zero_tail):
     m, sizes = INTERPRET_CASES[case]
     x, w, dy, group_sizes = _random_problem(sorted(INTERPRET_CASES).index(case), m, 128, 128, sizes)
-    _check_fwd_bwd(x, w, dy, group_sizes, interpret=True, tuning=SMALL_TUNING)
+    tuning = dataclasses.replace(SMALL_TUNING, zero_tail=zero_tail)
+    _check_fwd_bwd(x, w, dy, group_sizes, interpret=True, tuning=tuning)
 
 
 def test_interpret_bf16_output_and_default_tuning():
@@ -118,13 +122,16 @@ def test_default_tuning_fits_the_paper_expert_shapes():
     (dict(sizes_dtype=jnp.float32), "integer vector"),
     (dict(w=(2, 128, 96)), "96 must be a multiple of 64"),
     (dict(out=jnp.int8), "preferred_element_type"),
+    (dict(zero_tail="both"), "zero_tail"),
 ])
 def test_bad_input_raises_clear_value_error(bad, match):
     x = jnp.zeros(bad.get("x", (64, 128)), bad.get("x_dtype", jnp.bfloat16))
     w = jnp.zeros(bad.get("w", (2, 128, 128)), jnp.bfloat16)
     sizes = jnp.zeros(bad.get("sizes", (2,)), bad.get("sizes_dtype", jnp.int32))
+    tuning = dataclasses.replace(default_tuning(64, 128, 128, 2), zero_tail=bad["zero_tail"]) \
+        if "zero_tail" in bad else None
     with pytest.raises(ValueError, match=match):
-        grouped_gemm(x, w, sizes, preferred_element_type=bad.get("out"), interpret=True)
+        grouped_gemm(x, w, sizes, preferred_element_type=bad.get("out"), interpret=True, tuning=tuning)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -141,10 +148,12 @@ def _poison_device_memory(nbytes):
     [0, 0, 4096, 0, 0, 0, 0, 0],             # all tokens in one group
     [512] * 8,                                # uniform, tile aligned
 ])
-def test_gpu_forward_and_gradients_match_ragged_dot(sizes):
+@pytest.mark.parametrize("zero_tail", ["kernel", "mask"])
+def test_gpu_forward_and_gradients_match_ragged_dot(sizes, zero_tail):
     x, w, dy, group_sizes = _random_problem(sum(sizes) + len(sizes), 4096, 512, 1024, sizes)
     _poison_device_memory(64 << 20)
-    _check_fwd_bwd(x, w, dy, group_sizes)
+    tuning = dataclasses.replace(default_tuning(4096, 512, 1024, len(sizes)), zero_tail=zero_tail)
+    _check_fwd_bwd(x, w, dy, group_sizes, tuning=tuning)
 
 
 @pytest.mark.gpu
