@@ -279,8 +279,6 @@ def _validate_pipeline(cfg: Config) -> None:
         validate_schedule_args(p.pipeline_schedule, p.pipe, p.num_microbatches, p.virtual_stages)
     except ValueError as err:
         raise ConfigError(f"config.parallel.pipeline_schedule / num_microbatches / virtual_stages: {err}") from err
-    _check(m.num_dense_layers == 0, f"config.parallel.pipe={p.pipe} needs config.model.num_dense_layers=0 (the "
-           "pipeline stages hold MoE blocks only).")
     _check(m.num_moe_layers >= p.pipe * p.virtual_stages, f"config.model.num_layers={m.num_layers} is fewer "
            f"than pipe x virtual_stages = {p.pipe * p.virtual_stages} layer chunks.")
     _check(p.plan == "manual" or p.intra == 1, "config.parallel.pipe > 1 with intra > 1 needs "

@@ -1,7 +1,8 @@
 """The MoE Transformer through the pipeline schedules: an adapter from the NNX model to parallel/pipeline.py.
 
 The model's state is cut into the pipeline's three parts:
-    first   {'embed'}                                  first_fn: token embedding (stage 0)
+    first   {'embed'[, 'dense_blocks']}                first_fn: token embedding and the leading dense
+                                                       layers (stage 0, which holds them whole)
     stages  'moe_blocks' ([L, ...] -> StageLayout [V, S, Lmax, ...], sharded over 'pipe')
                                                        layer_fn: one Block -> (act, weighted MoE losses)
     last    {'final_norm', 'head_DV' | tied 'embed'}   last_fn: final norm, logits, cross-entropy
@@ -36,7 +37,7 @@ from megascale_jax.model.layers import output_logits
 from megascale_jax.model.layout import LocalLayout
 from megascale_jax.model.loss import cross_entropy
 from megascale_jax.model.manual_layout import ManualLayout
-from megascale_jax.model.transformer import REMAT_POLICIES
+from megascale_jax.model.transformer import REMAT_POLICIES, run_stack
 from megascale_jax.parallel.collectives import varying_axes
 from megascale_jax.parallel.pipeline import PipelineParams, pipeline_value_and_grad
 from megascale_jax.parallel.pipeline_schedules import StageLayout, schedule_summary
@@ -62,7 +63,7 @@ def pipeline_loss_and_grads(graphdef, params, batch, *, mesh, moe_cfg, layout, s
                             num_microbatches: int, virtual_stages: int = 1):
     """Loss, metrics and gradients of the model, pipelined over mesh axis 'pipe'. Call under jax.jit.
 
-    graphdef, params: `nnx.split(model)` of a Transformer with num_dense_layers == 0.
+    graphdef, params: `nnx.split(model)` of a Transformer (leading dense layers run on stage 0).
     batch: {'inputs', 'targets'} int32 [B, S]; B divisible by num_microbatches * data, S by intra
       under the ManualLayout. Sharding in: anything (the pipeline reshards to P(None, data[, intra])).
     layout: LocalLayout (mesh intra == 1) or ManualLayout (SP / EP / TP over 'intra' inside each stage).
@@ -81,6 +82,8 @@ def pipeline_loss_and_grads(graphdef, params, batch, *, mesh, moe_cfg, layout, s
     def split(params):
         head = "embed" if tied else "head_DV"
         first = {"embed": params["embed"]}
+        if "dense_blocks" in params:
+            first["dense_blocks"] = params["dense_blocks"]
         last = {"final_norm": params["final_norm"], head: params[head]}
         return PipelineParams(first, stage_layout.to_stage_layout(params["moe_blocks"]), last)
 
@@ -107,13 +110,17 @@ def _stage_functions(model, block_layout, moe_cfg, num_layers: int, intra_size: 
     pipeline sums shares over 'intra'): local CE mean / intra_size; the MoE terms are already global
     (token_mean), so each rank contributes 1 / intra_size of them."""
     embed_def = nnx.split(model.embed)[0]
+    dense_def = nnx.split(model.dense_blocks)[0] if model.dense_blocks is not None else None
     norm_def = nnx.split(model.final_norm)[0]
     block_def = nnx.split(model.moe_blocks)[0]   # a stacked Block's graph merges with one layer's state
     compute_dtype = model.compute_dtype
     moe_scale = 1.0 / (num_layers * intra_size)
 
     def first_fn(first, tokens_BS):
-        return nnx.merge(embed_def, first["embed"])(tokens_BS, compute_dtype)
+        x_BSD = nnx.merge(embed_def, first["embed"])(tokens_BS, compute_dtype)
+        if dense_def is not None:   # dense blocks have no MoE losses
+            x_BSD, _ = run_stack(nnx.merge(dense_def, first["dense_blocks"]), x_BSD, block_layout, model.remat)
+        return x_BSD
 
     def block(layer_state, x_BSD):
         y_BSD, stats = nnx.merge(block_def, layer_state)(x_BSD, block_layout)
@@ -165,9 +172,6 @@ def _param_specs(pipe_params: PipelineParams, layout, manual: bool) -> PipelineP
 
 def _validate(model, params, batch, *, mesh, layout, num_microbatches: int) -> int:
     """Raise ValueError naming the argument and the fix; returns the number of MoE layers."""
-    if "dense_blocks" in params:
-        raise ValueError(f"config.model.num_dense_layers={model.cfg.num_dense_layers}: the pipelined model "
-                         "stages only the MoE blocks; set config.model.num_dense_layers=0.")
     for name in (DATA, PIPE, INTRA):
         if name not in mesh.shape:
             raise ValueError(f"mesh axes {tuple(mesh.shape)} lack {name!r}; build the mesh with "

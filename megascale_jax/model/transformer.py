@@ -52,12 +52,15 @@ class Block(nnx.Module):
 
 
 def _stacked_blocks(cfg, count: int, moe: bool, group_size: int, param_dtype, rngs: nnx.Rngs):
-    """`count` blocks with parameters stacked on a leading 'layers' axis (None when count == 0)."""
+    """`count` blocks with parameters stacked on a leading axis (None when count == 0): logical 'layers' for
+    the MoE stack (sharded over 'pipe' when a pipeline holds it), 'dense_layers' for the leading dense stack
+    (which the first pipeline stage holds whole)."""
     if count == 0:
         return None
 
     @nnx.split_rngs(splits=count)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0,
+              transform_metadata={nnx.PARTITION_NAME: "layers" if moe else "dense_layers"})
     def create(rngs):
         return Block(cfg, moe, group_size, param_dtype, rngs)
 
@@ -71,7 +74,7 @@ REMAT_POLICIES = {
 }
 
 
-def _run_stack(blocks, x_BSD, layout, remat: str):
+def run_stack(blocks, x_BSD, layout, remat: str):
     """Scans x through stacked blocks; returns x and per-layer stats stacked on a leading axis."""
     graphdef, state = nnx.split(blocks)
 
@@ -99,8 +102,8 @@ class Transformer(nnx.Module):
         """Returns (logits_BSV float32, stats); stats['tokens_per_expert'] is [moe_layers, E]."""
         x = self.embed(tokens_BS, self.compute_dtype)
         if self.dense_blocks is not None:
-            x, _ = _run_stack(self.dense_blocks, x, layout, self.remat)
-        x, stats = _run_stack(self.moe_blocks, x, layout, self.remat)
+            x, _ = run_stack(self.dense_blocks, x, layout, self.remat)
+        x, stats = run_stack(self.moe_blocks, x, layout, self.remat)
         x = self.final_norm(x)
         if self.cfg.tie_embeddings:
             logits = self.embed.attend(x)
