@@ -89,6 +89,11 @@ def build_trainer(cfg: config_lib.Config, devices=None) -> Trainer:
 ZERO_PAD_MULTIPLE = 64 * 128
 
 
+def _specs(shardings):
+    """PartitionSpecs of a pytree of NamedShardings (shard_map's in_specs / out_specs)."""
+    return jax.tree.map(lambda s: s.spec, shardings)
+
+
 def _zero1(cfg, abstract_params, param_shardings, mesh):
     """ZeRO-1 over the data axis: the optimizer and the shapes/shardings of its flat, sharded state.
 
@@ -98,8 +103,7 @@ def _zero1(cfg, abstract_params, param_shardings, mesh):
     optimizer = lambda segments, length: make_flat_optimizer(cfg.train, flat_decay_mask(segments, length))  # noqa: E731
     zero = Zero1(optimizer, DATA, cfg.parallel.grad_comm, cfg.train.grad_clip or None, shard_axes=shard_axes,
                  pad_multiple=ZERO_PAD_MULTIPLE)
-    specs = jax.tree.map(lambda s: s.spec, param_shardings)
-    abstract_opt = jax.eval_shape(lambda p: zero.init(p, mesh, specs), abstract_params)
+    abstract_opt = jax.eval_shape(lambda p: zero.init(p, mesh, _specs(param_shardings)), abstract_params)
     return zero, abstract_opt, zero.state_shardings(mesh, abstract_opt)
 
 
@@ -122,8 +126,8 @@ def create_state(trainer: Trainer):
 
     if trainer.zero is not None:
         params = jax.jit(lambda: nnx.state(_new_model(cfg)), out_shardings=trainer.state_shardings["params"])()
-        param_specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings["params"])
-        return {"params": params, "opt_state": trainer.zero.init(params, trainer.mesh, param_specs),
+        return {"params": params,
+                "opt_state": trainer.zero.init(params, trainer.mesh, _specs(trainer.state_shardings["params"])),
                 "step": jax.device_put(jnp.zeros((), jnp.int32), trainer.state_shardings["step"])}
 
     def init():
@@ -166,7 +170,7 @@ def _zero1_step_fn(trainer: Trainer):
         return params, opt_state, metrics
 
     def step_fn(state, batch):
-        param_specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings["params"])
+        param_specs = _specs(trainer.state_shardings["params"])
         opt_specs = zero.state_specs(state["opt_state"])
         batch_spec = trainer.plan.batch_spec()
         run = jax.shard_map(body, mesh=trainer.mesh, in_specs=(param_specs, opt_specs, P(), batch_spec),

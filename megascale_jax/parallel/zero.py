@@ -2,8 +2,9 @@
 
 Layout. The parameters (of one bucket, see Groups and Buckets) are flattened into one vector of length
 L = n rounded up to a multiple of dp * block (and of `pad_multiple`), zero padded. Rank r of the DP axis
-owns the contiguous slice [r*L/dp, (r+1)*L/dp) and holds the optax state of that slice only; outside shard_map those state arrays are global [L] arrays sharded
-`P(axis)` (scalars such as Adam's step count are replicated). Parameters stay replicated over DP.
+owns the contiguous slice [r*L/dp, (r+1)*L/dp) and holds the optax state of that slice only; outside
+shard_map those state arrays are global [L] arrays sharded `P(axis)` (scalars such as Adam's step count are
+replicated). Parameters stay replicated over DP.
 
 One step (inside shard_map, every rank passing its LOCAL fp32-accumulated gradient):
   1. reduce-scatter the flat gradient through `grad_comm` (fp32 | bf16 | fp8), divide by dp -> mean slice;
@@ -71,6 +72,12 @@ class Bucket:
     def size(self) -> int:
         return sum(stop - start for _, start, stop in self.pieces)
 
+
+def _group(key: str) -> str:
+    """The group ('shared' | 'sharded') of a bucket key '<group>/<n>'."""
+    return key.split("/")[0]
+
+
 OptimizerFactory = Callable[[list, int], optax.GradientTransformation]
 
 
@@ -129,12 +136,12 @@ class Zero1:
         quantum = math.lcm(dp * self.block_size, max(self.pad_multiple, 1))
         return max(quantum, -(-size // quantum) * quantum)
 
-    def optimizer_for(self, bucket: "Bucket", leaves, length: int) -> optax.GradientTransformation:
+    def optimizer_for(self, bucket: Bucket, leaves, length: int) -> optax.GradientTransformation:
         if isinstance(self.optimizer, optax.GradientTransformation):
             return self.optimizer
         return self.optimizer([(leaves[i].ndim, stop - start) for i, start, stop in bucket.pieces], length)
 
-    def _bucket_plan(self, sharded_flags, sizes) -> dict[str, "Bucket"]:
+    def _bucket_plan(self, sharded_flags, sizes) -> dict[str, Bucket]:
         """The buckets '<group>/<n>' (see Buckets): static element ranges of the group's leaves, in order."""
         out = {}
         for group, sharded in ((SHARED, False), (SHARDED, True)):
@@ -151,7 +158,7 @@ class Zero1:
             out.update({f"{group}/{n}": Bucket(tuple(b)) for n, b in enumerate(buckets) if b})
         return out
 
-    def _flatten(self, bucket: "Bucket", leaves, length: int, dtype=None):
+    def _flatten(self, bucket: Bucket, leaves, length: int, dtype=None):
         """The bucket's pieces laid end to end (in `dtype`, default their common type), zero-padded."""
         dtype = dtype or jnp.result_type(*(leaves[i] for i, _, _ in bucket.pieces))
         flat = jnp.concatenate([leaves[i].reshape(-1)[start:stop].astype(dtype)
@@ -207,7 +214,7 @@ class Zero1:
         """PartitionSpecs of the state (for shard_map in_specs/out_specs): vectors of group 'shared' are
         P(axis), of group 'sharded' P((*shard_axes, axis)); scalars (Adam's count) are replicated."""
         vector = {SHARED: P(self.axis), SHARDED: P(tuple(self.shard_axes) + self._axes)}
-        return {key: jax.tree.map(lambda x, v=vector[key.split("/")[0]]: v if jnp.ndim(x) >= 1 else P(), s)
+        return {key: jax.tree.map(lambda x, v=vector[_group(key)]: v if jnp.ndim(x) >= 1 else P(), s)
                 for key, s in opt_state.items()}
 
     def state_shardings(self, mesh: jax.sharding.Mesh, opt_state) -> Any:
@@ -235,7 +242,7 @@ class Zero1:
             flat_grads = self._flatten(bucket, grad_leaves, length, jnp.float32)
             grad_slices[key] = grad_comm.reduce_scatter_gradients(
                 flat_grads, axis=self.axis, mode=self.mode, block_size=self.block_size) / dp
-            along = self._axes + (tuple(self.shard_axes) if key.startswith(SHARDED) else ())
+            along = self._axes + (tuple(self.shard_axes) if _group(key) == SHARDED else ())
             norm_sq = norm_sq + lax.psum(jnp.sum(jnp.square(grad_slices[key])), along)
         grad_norm = jnp.sqrt(norm_sq)
 
