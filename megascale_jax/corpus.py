@@ -2,7 +2,9 @@
 
 Every source here satisfies `megascale_jax.data.TokenSource`: `num_tokens`, `vocab_size`, and
 `read(start, length) -> np.ndarray` of integer tokens, a pure function of its arguments. A source is one
-flat token stream; how windows are drawn from it (and the train/eval split) lives in `data.py`.
+flat token stream; how windows are drawn from it (and the train/eval split) lives in `data.py`. A bad
+input (a missing, short or wrongly typed token file, ids >= vocab) is a `DataError`: one line naming the
+file and the fix, raised when the source is opened, before anything is compiled.
 
 The default corpus needs no network: CPython's English reference documentation
 (`pydoc_data.topics.topics`) plus the docstrings of a fixed list of pure-Python standard-library modules,
@@ -43,6 +45,14 @@ STDLIB_DOC_FILES = (
     "typing.py", "unittest/case.py", "unittest/mock.py", "urllib/parse.py", "urllib/request.py",
     "uuid.py", "warnings.py", "weakref.py", "zipfile/__init__.py",
 )
+
+
+class DataError(ValueError):
+    """A bad data input (token file, data.* setting): one line naming the file or key, and the fix."""
+
+
+class DataFileNotFoundError(DataError, FileNotFoundError):
+    """The token file does not exist; also a FileNotFoundError for callers that catch that."""
 
 
 # ----------------------------------------------------------------------------------------- tokenizer
@@ -90,7 +100,7 @@ class ArrayTokenSource:
         window = np.asarray(self.tokens[start:start + length])
         if length and int(window.max()) >= self.vocab_size:
             bad = start + int(np.argmax(window >= self.vocab_size))
-            raise ValueError(
+            raise DataError(
                 f"{self.description}: token {int(self.tokens[bad])} at position {bad} is >= vocab_size "
                 f"{self.vocab_size}; pass the vocab size the tokens were made with, or re-tokenize")
         return window
@@ -197,20 +207,31 @@ def default_text_source(cache_dir: str | None = None) -> ArrayTokenSource:
 
 # ------------------------------------------------------------------------------------ token files
 TOKEN_FILE_DTYPES = ("uint16", "uint32")
-# Files up to this many tokens are checked in full at open; larger ones on a sample (every read is
-# still checked in full, see ArrayTokenSource.read).
-_FULL_CHECK_MAX_TOKENS = 1 << 24
+SIDECAR_SUFFIX = ".json"  # <file>.json beside the token file
+SIDECAR_FORMAT_VERSION = 1
+# Files up to this many tokens are scanned in full at open (4-8 GB; a sequential read); larger ones on a
+# sample, and every read is still checked in full (see ArrayTokenSource.read).
+_FULL_CHECK_MAX_TOKENS = 1 << 31
+_SCAN_CHUNK_TOKENS = 1 << 26  # one np.max per 64 Mi tokens: bounded memory however big the file
 _SAMPLE_CHUNKS, _SAMPLE_CHUNK_TOKENS = 64, 1 << 16
+_DTYPE_SNIFF_TOKENS = 1 << 16  # the head of a sidecar-less uint16 file checked for uint32 look
 
 
 def _check_token_file_dtype(dtype: str) -> np.dtype:
     if dtype not in TOKEN_FILE_DTYPES:
-        raise ValueError(f"dtype must be one of {TOKEN_FILE_DTYPES}, got {dtype!r}")
+        raise DataError(f"data.dtype must be one of {TOKEN_FILE_DTYPES}, got {dtype!r}; set "
+                        f"--config.data.dtype to the dtype the token file was written with")
     return np.dtype(dtype)
 
 
-def write_token_file(path: str, tokens, dtype: str) -> None:
-    """Write a 1-D array of non-negative integer tokens as a flat binary file (no header)."""
+def write_token_file(path: str, tokens, dtype: str, *, vocab_size: int | None = None,
+                     sidecar: bool = True) -> None:
+    """Write a 1-D array of non-negative integer tokens as a flat binary file (no header).
+
+    With `sidecar` (the default) `<path>.json` records {format_version, dtype, num_tokens, vocab_size}, so
+    a reader with the wrong dtype or a truncated file is told, not fed garbage; `vocab_size` (optional,
+    recorded as null when not given) is the tokenizer's, checked against the model's on open.
+    """
     np_dtype = _check_token_file_dtype(dtype)
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
@@ -220,48 +241,121 @@ def write_token_file(path: str, tokens, dtype: str) -> None:
         raise ValueError(
             f"tokens range [{tokens.min()}, {tokens.max()}] does not fit dtype {dtype!r} "
             f"([0, {limit}]); use 'uint32' for vocabularies above 65536")
+    if vocab_size is not None and tokens.size and int(tokens.max()) >= vocab_size:
+        raise ValueError(f"token {int(tokens.max())} is >= vocab_size {vocab_size}")
+    path = os.fspath(path)
     data = tokens.astype(np_dtype).tobytes()
-    _atomic_write(os.fspath(path), lambda f: f.write(data))
+    _atomic_write(path, lambda f: f.write(data))
+    # The sidecar after the data: a crash in between leaves a stale sidecar whose count no longer
+    # matches, which the reader reports, never a sidecar vouching for data that is not there.
+    if sidecar:
+        meta = {"format_version": SIDECAR_FORMAT_VERSION, "dtype": dtype, "num_tokens": int(tokens.size),
+                "vocab_size": None if vocab_size is None else int(vocab_size)}
+        _atomic_write(path + SIDECAR_SUFFIX, lambda f: f.write(json.dumps(meta).encode()))
+    elif os.path.exists(path + SIDECAR_SUFFIX):
+        os.remove(path + SIDECAR_SUFFIX)  # it described the previous contents
 
 
-def _sample_for_vocab_check(tokens: np.ndarray) -> np.ndarray:
-    """All tokens of a small file; for a large one, evenly spaced chunks plus the tail."""
+def _check_sidecar(path: str, dtype: str, size: int, vocab_size: int) -> dict | None:
+    """The sidecar `<path>.json` (None when absent), checked against how the file is being read."""
+    meta_path = path + SIDECAR_SUFFIX
+    if not os.path.isfile(meta_path):
+        return None
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict) or meta.get("format_version") != SIDECAR_FORMAT_VERSION:
+            raise ValueError(f"not a format_version {SIDECAR_FORMAT_VERSION} sidecar")
+        stored_dtype, num_tokens, stored_vocab = meta["dtype"], meta["num_tokens"], meta["vocab_size"]
+    except (ValueError, KeyError) as err:  # json.JSONDecodeError is a ValueError
+        raise DataError(f"sidecar {meta_path!r} of token file {path!r} is unreadable ({err!r}); rewrite the "
+                        f"file with megascale_jax.data.write_token_file, or delete the sidecar") from None
+    if stored_dtype != dtype:
+        raise DataError(f"token file {path!r} is read as {dtype} but its sidecar {meta_path!r} says "
+                        f"{stored_dtype}; set --config.data.dtype={stored_dtype}")
+    itemsize = np.dtype(dtype).itemsize
+    if size != num_tokens * itemsize:
+        raise DataError(
+            f"token file {path!r} has {size} bytes ({size / itemsize:g} {dtype} tokens) but its sidecar "
+            f"{meta_path!r} says {num_tokens} tokens; the file was changed or cut off after it was "
+            f"written: rewrite it with write_token_file (or delete the stale sidecar)")
+    if stored_vocab is not None and stored_vocab > vocab_size:
+        raise DataError(
+            f"token file {path!r} was tokenized with vocab_size {stored_vocab} (its sidecar says so) but "
+            f"model.vocab_size is {vocab_size}; set --config.model.vocab_size={stored_vocab}")
+    return meta
+
+
+def _looks_like_uint32(tokens: np.ndarray, vocab_size: int) -> bool:
+    """A uint32 file of ids < vocab read as uint16: every (low, high) pair recombines to a valid id, which
+    for real uint16 data would need every second token to be (nearly) 0."""
+    head = np.asarray(tokens[:min(tokens.shape[0], _DTYPE_SNIFF_TOKENS) & ~1]).astype(np.int64)
+    if head.size < 64 or not head[0::2].any():  # too little to tell; all zeros proves nothing
+        return False
+    return int((head[0::2] + (head[1::2] << 16)).max()) < vocab_size
+
+
+def _max_token(tokens: np.ndarray) -> tuple[int, int]:
+    """(largest token, its first position): over the whole file in chunks, or over a sample when huge."""
     n = tokens.shape[0]
     if n <= _FULL_CHECK_MAX_TOKENS:
-        return np.asarray(tokens)
-    starts = np.linspace(0, n - _SAMPLE_CHUNK_TOKENS, _SAMPLE_CHUNKS).astype(np.int64)
-    return np.concatenate([np.asarray(tokens[s:s + _SAMPLE_CHUNK_TOKENS]) for s in starts])
+        width, starts = _SCAN_CHUNK_TOKENS, range(0, n, _SCAN_CHUNK_TOKENS)
+    else:  # evenly spaced chunks, the first and the last included
+        width = _SAMPLE_CHUNK_TOKENS
+        starts = np.linspace(0, n - width, _SAMPLE_CHUNKS).astype(np.int64).tolist()
+    best, best_start = -1, 0
+    for start in starts:
+        chunk_max = int(tokens[start:start + width].max())
+        if chunk_max > best:
+            best, best_start = chunk_max, start
+    return best, best_start + int(np.argmax(np.asarray(tokens[best_start:best_start + width]) == best))
 
 
 def token_file_source(path: str, dtype: str, vocab_size: int) -> ArrayTokenSource:
     """A flat binary token file (nanoGPT / Megatron .bin style) read through np.memmap.
 
-    Vocab check: the whole file at open when it has <= 16M tokens, otherwise 64 evenly spaced chunks of
-    64K tokens (first and last included); and every `read` checks the tokens it returns.
+    Checked at open, each failure a one-line DataError: the path is a non-empty file whose size is a
+    multiple of the dtype; the sidecar `<path>.json`, when present, agrees on dtype, count and vocab; ids
+    are < vocab_size (the whole file, chunked, up to 2**31 tokens; beyond that 64 evenly spaced chunks of
+    64K tokens, first and last included); and every `read` checks the tokens it returns. Without a
+    sidecar, a uint16 read whose head recombines into valid uint32 ids is refused as a likely wrong dtype.
     """
     np_dtype = _check_token_file_dtype(dtype)
     if not 1 <= vocab_size < 2**31:
-        raise ValueError(f"vocab_size must be in [1, 2**31), got {vocab_size}")
+        raise DataError(f"model.vocab_size must be in [1, 2**31), got {vocab_size}")
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"token file {path!r} does not exist; make one with "
+    if os.path.isdir(path):
+        raise DataError(f"token file {path!r} is a directory; set --config.data.path to a flat token file")
+    if not os.path.exists(path):
+        raise DataFileNotFoundError(
+            f"token file {path!r} does not exist; fix --config.data.path, or make one with "
             f"megascale_jax.data.write_token_file({path!r}, tokens, {dtype!r})")
     size = os.path.getsize(path)
+    if size == 0:
+        raise DataError(f"token file {path!r} is empty; it needs at least one sequence of tokens: "
+                        f"rewrite it, or set --config.data.path to another file")
+    meta = _check_sidecar(path, dtype, size, vocab_size)
     if size % np_dtype.itemsize:
         other = "uint16" if dtype == "uint32" else "a different dtype (or the file is truncated)"
-        raise ValueError(
+        raise DataError(
             f"token file {path!r} has {size} bytes, not a multiple of {np_dtype.itemsize} ({dtype}); "
-            f"the file is probably {other}")
-    if size == 0:
-        raise ValueError(f"token file {path!r} is empty; it needs at least one sequence of tokens")
+            f"the file is probably {other}: check --config.data.dtype or rewrite the file")
     tokens = np.memmap(path, dtype=np_dtype, mode="r")
-    sample_max = int(_sample_for_vocab_check(tokens).max())
-    if sample_max >= vocab_size:
-        hint = " (reading a uint16 file as uint32 pairs tokens into large numbers)" if dtype == "uint32" else ""
-        raise ValueError(
-            f"token file {path!r} holds token {sample_max} >= vocab_size {vocab_size}; pass the vocab "
-            f"size the file was made with, or check dtype {dtype!r}{hint}")
+    if meta is None and dtype == "uint16" and _looks_like_uint32(tokens, vocab_size):
+        raise DataError(
+            f"token file {path!r} looks like uint32 read as uint16 (every second uint16 is a high half "
+            f"of a valid id); set --config.data.dtype=uint32, or if it really is uint16 rewrite it with "
+            f"write_token_file, whose sidecar records the dtype")
+    largest, position = _max_token(tokens)
+    if largest >= vocab_size:
+        if dtype == "uint32":
+            hint = ("or the file is uint16: reading a uint16 file as uint32 pairs tokens into large "
+                    "numbers (set --config.data.dtype=uint16)")
+        else:
+            hint = "or the file is not uint16 (check --config.data.dtype)"
+        raise DataError(
+            f"token file {path!r} holds token {largest} >= vocab_size {vocab_size} (at position "
+            f"{position}); set --config.model.vocab_size to the tokenizer's vocab size, re-tokenize, {hint}")
     return ArrayTokenSource(tokens=tokens, vocab_size=vocab_size, description=f"token file {path!r}")
 
 

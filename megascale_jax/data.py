@@ -13,7 +13,9 @@ region; train windows lie wholly in the first part and eval windows wholly in th
 overlap.
 
 Sources (tokenizer, default text corpus, token files, synthetic) live in `corpus.py` and are re-exported
-here; this module is the public entry point.
+here; this module is the public entry point. Bad data inputs raise `DataError` (a ValueError) with one
+line naming the file or config key and the fix; `make_source` checks the file, `BatchSampler` checks that
+both regions hold a window, so every data error comes before the trainer compiles.
 """
 from __future__ import annotations
 
@@ -23,9 +25,12 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from megascale_jax.corpus import (  # noqa: F401  (re-exported public API)
+    SIDECAR_SUFFIX,
     TOKEN_FILE_DTYPES,
     ArrayTokenSource,
     ByteTokenizer,
+    DataError,
+    DataFileNotFoundError,
     SyntheticTokenSource,
     default_text_source,
     synthetic_source,
@@ -59,17 +64,18 @@ def make_source(kind: str, *, path: str = "", dtype: str = "uint16", vocab_size:
     """
     if kind == "text":
         if vocab_size < ByteTokenizer.vocab_size:
-            raise ValueError(
-                f"vocab_size {vocab_size} is too small for the byte-level text corpus; it needs >= "
-                f"{ByteTokenizer.vocab_size}")
+            raise DataError(
+                f"model.vocab_size {vocab_size} is too small for the byte-level text corpus "
+                f"(data.source='text'); set --config.model.vocab_size={ByteTokenizer.vocab_size} or more")
         return default_text_source(cache_dir)
     if kind == "tokens":
         if not path:
-            raise ValueError("kind='tokens' needs path= pointing at a flat uint16/uint32 token file")
+            raise DataError("data.source='tokens' needs path=: set --config.data.path to a flat "
+                            "uint16/uint32 token file")
         return token_file_source(path, dtype, vocab_size)
     if kind == "synthetic":
         return synthetic_source(vocab_size, seed)
-    raise ValueError(f"unknown data source kind {kind!r}; choose one of {SOURCE_KINDS}")
+    raise DataError(f"unknown data source kind {kind!r}; set --config.data.source to one of {SOURCE_KINDS}")
 
 
 def _split_id(split: str) -> int:
@@ -122,20 +128,28 @@ class BatchSampler:
         if not 0 <= self.seed < _UINT64_LIMIT:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+            why = " (1 leaves no tokens to train on)" if self.eval_fraction >= 1 else ""
+            raise DataError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}{why}; set "
+                            f"--config.data.eval_fraction=0.05, or 0 to hold out no eval tokens")
         if not 1 <= self.source.vocab_size < 2**31:
             raise ValueError(f"source vocab_size {self.source.vocab_size} does not fit int32 tokens")
+        num_eval = self._num_eval_tokens()
+        regions = {"train": self.source.num_tokens - num_eval, "eval": num_eval}
+        fixes = {"train": f"lower --config.data.eval_fraction (now {self.eval_fraction})",
+                 "eval": f"raise --config.data.eval_fraction (now {self.eval_fraction}) or set it to 0"}
         for split in SPLITS if self.eval_fraction > 0 else ("train",):
-            start, stop = self.region(split)
-            if stop - start < self.seq_len + 1:
-                raise ValueError(
-                    f"the {split} region of {_describe(self.source)} has {stop - start} tokens, fewer "
-                    f"than one sequence of seq_len + 1 = {self.seq_len + 1}; use more data, a shorter "
-                    f"seq_len, or a different eval_fraction ({self.eval_fraction})")
+            if regions[split] < self.seq_len + 1:
+                raise DataError(
+                    f"the {split} region of {_describe(self.source)} has {regions[split]} tokens, fewer "
+                    f"than one sequence of train.seq_len + 1 = {self.seq_len + 1}; use more data, lower "
+                    f"--config.train.seq_len, or {fixes[split]}")
+
+    def _num_eval_tokens(self) -> int:
+        return int(self.source.num_tokens * self.eval_fraction)
 
     def region(self, split: str) -> tuple[int, int]:
         """[start, stop) token positions of `split`: train first, eval the last eval_fraction."""
-        num_eval = int(self.source.num_tokens * self.eval_fraction)
+        num_eval = self._num_eval_tokens()
         num_train = self.source.num_tokens - num_eval
         if _split_id(split) == 0:
             return 0, num_train

@@ -107,7 +107,8 @@ def test_token_file_missing_names_path_and_how_to_make_one(tmp_path):
 
 def test_token_file_size_not_multiple_of_dtype_names_likely_dtype(tmp_path):
     path = tmp_path / "t.bin"
-    data.write_token_file(path, np.arange(5), "uint16")  # 10 bytes: not a multiple of 4
+    # No sidecar (a file from another tool): the likely dtype is guessed from the size.
+    data.write_token_file(path, np.arange(5), "uint16", sidecar=False)  # 10 bytes: not a multiple of 4
     with pytest.raises(ValueError, match=r"10 bytes, not a multiple of 4 \(uint32\).*probably uint16"):
         data.token_file_source(str(path), "uint32", 256)
     path.write_bytes(b"\x01\x02\x03")
@@ -131,7 +132,7 @@ def test_token_file_too_short_for_one_sequence(tmp_path):
 def test_token_file_tokens_at_or_above_vocab_are_rejected(tmp_path):
     path = tmp_path / "v.bin"
     tokens = np.arange(1000) % 300
-    data.write_token_file(path, tokens, "uint16")
+    data.write_token_file(path, tokens, "uint16", sidecar=False)  # no sidecar to name the dtype
     with pytest.raises(ValueError, match=r"holds token 299 >= vocab_size 256"):
         data.token_file_source(str(path), "uint16", 256)
     # A uint16 file read as uint32 pairs tokens into huge ids; the error says so.
