@@ -1,4 +1,5 @@
-"""Grouped GEMM kernel vs `lax.ragged_dot` in fp32: forward, input gradient, weight gradient.
+"""Grouped GEMM kernel vs `lax.ragged_dot` in fp32: forward, input gradient, weight gradient; the public
+`grouped_gemm_dgrad` / `grouped_gemm_wgrad` vs their `*_reference` twins, and the custom VJP built from them.
 
 CPU: the Mosaic GPU kernels run in GPU interpret mode on small shapes; the interpreter fills every
 buffer with NaN before the kernel runs, so an element the kernel never writes fails the comparison.
@@ -12,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels.grouped_gemm as gg
 from pallas_kernels.grouped_gemm import (GemmTiling, GroupedGemmTuning, default_tuning, grouped_gemm,
-                                         grouped_gemm_reference)
+                                         grouped_gemm_dgrad, grouped_gemm_dgrad_reference, grouped_gemm_reference,
+                                         grouped_gemm_wgrad, grouped_gemm_wgrad_reference)
 
 # Small tiles give many group boundaries per tile in few rows; both warpgroup splits are covered.
 SMALL_TUNING = GroupedGemmTuning(
@@ -135,6 +138,104 @@ def test_bad_input_raises_clear_value_error(bad, match):
 
 
 # ----------------------------------------------------------------------------------------------------
+# The public dgrad / wgrad entry points (a hand-written backward calls them with communication between)
+# ----------------------------------------------------------------------------------------------------
+def _check_dgrad_wgrad(x, w, dy, group_sizes, out_dtype=jnp.float32, **kwargs):
+    """Kernel vs twin with the same fp32 accumulation: fp32 outputs agree to summation order, bf16
+    outputs to one bf16 rounding."""
+    (m, k), n, sizes = x.shape, w.shape[2], np.asarray(group_sizes)
+    tol = 1e-5 if out_dtype == jnp.float32 else 4e-3
+    dx = grouped_gemm_dgrad(dy, w, group_sizes, preferred_element_type=out_dtype, **kwargs)
+    dw = grouped_gemm_wgrad(x, dy, group_sizes, preferred_element_type=out_dtype, **kwargs)
+    assert dx.shape == (m, k) and dw.shape == (len(sizes), k, n) and dx.dtype == dw.dtype == out_dtype
+    assert _rel_err(dx, grouped_gemm_dgrad_reference(dy, w, group_sizes, out_dtype)) < tol
+    assert _rel_err(dw, grouped_gemm_wgrad_reference(x, dy, group_sizes, out_dtype)) < tol
+    total = int(min(sum(sizes), m))
+    assert np.all(np.asarray(dx)[total:] == 0.0), "dx rows past sum(group_sizes) must be exact zeros"
+    for g in np.flatnonzero(sizes == 0):
+        assert np.all(np.asarray(dw[g]) == 0.0), f"empty group {g} must get a zero weight gradient"
+
+
+DGRAD_WGRAD_CASES = {
+    # empty groups, a zero tail of 40 rows, groups inside one tile; small tiles, both tail owners
+    "tail_small_tiles": (160, 128, 64, [30, 0, 5, 85, 0], dict(tuning=SMALL_TUNING)),
+    "tail_mask": (160, 128, 64, [30, 0, 5, 85, 0], dict(tuning=dataclasses.replace(SMALL_TUNING, zero_tail="mask"))),
+    # default tiles for each kernel alone (dgrad 128-wide over K, wgrad the 64 x 64 pair), bf16 out, a
+    # cumulative size past M (cut at M), an empty first group
+    "default_tiles_cut_at_m": (136, 128, 64, [0, 100, 60], dict(out_dtype=jnp.bfloat16)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DGRAD_WGRAD_CASES))
+def test_interpret_dgrad_and_wgrad_match_their_references(case):
+    m, k, n, sizes, kwargs = DGRAD_WGRAD_CASES[case]
+    x, w, dy, group_sizes = _random_problem(sorted(DGRAD_WGRAD_CASES).index(case), m, k, n, sizes)
+    _check_dgrad_wgrad(x, w, dy.astype(jnp.bfloat16), group_sizes, interpret=True, **kwargs)
+
+
+def test_dgrad_and_wgrad_of_zero_rows_are_empty_and_zero():
+    x, w, dy = (jnp.zeros(shape, jnp.bfloat16) for shape in [(0, 128), (3, 128, 64), (0, 64)])
+    sizes = jnp.zeros((3,), jnp.int32)
+    assert grouped_gemm_dgrad(dy, w, sizes, interpret=True).shape == (0, 128)
+    dw = grouped_gemm_wgrad(x, dy, sizes, interpret=True)
+    assert dw.shape == (3, 128, 64) and np.all(np.asarray(dw) == 0.0)
+
+
+def test_custom_vjp_backward_calls_the_public_dgrad_and_wgrad(monkeypatch):
+    """The backward is built from the two public functions (so it can be rebuilt with communication
+    between them), and its gradients equal jax.grad of the reference twin. The backward looks the two
+    names up in the module when it is traced, so spies set on the module see the calls."""
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(gg, name, wrapped)
+
+    spy("grouped_gemm_dgrad", grouped_gemm_dgrad)
+    spy("grouped_gemm_wgrad", grouped_gemm_wgrad)
+    x, w, dy, group_sizes = _random_problem(5, 136, 128, 128, [40, 0, 70])
+
+    def loss(fn, x, w):
+        return jnp.sum(fn(x, w, group_sizes).astype(jnp.float32) * dy)
+
+    got = jax.grad(lambda x, w: loss(lambda *a: grouped_gemm(*a, interpret=True, tuning=SMALL_TUNING), x, w),
+                   argnums=(0, 1))(x, w)
+    assert sorted(calls) == ["grouped_gemm_dgrad", "grouped_gemm_wgrad"]
+    want = jax.grad(lambda x, w: loss(grouped_gemm_reference, x, w), argnums=(0, 1))(x, w)
+    for g, r in zip(got, want):
+        assert g.dtype == r.dtype == jnp.bfloat16
+        assert _rel_err(g, r) < 4e-3   # dy is cast to bf16 before the kernels; both round to bf16
+
+
+@pytest.mark.parametrize("call, bad, match", [
+    ("dgrad", dict(dy=(64, 96)), "dy_MN has N=96 but w_GKN has N=128"),
+    ("dgrad", dict(dy_dtype=jnp.float32), "dy_MN and w_GKN must share dtype"),
+    ("dgrad", dict(sizes=(3,)), r"group_sizes_G .* shape \(2,\)"),
+    ("dgrad", dict(w=(2, 96, 128), dy=(64, 128)), "K=96 must be a multiple of 64"),
+    ("dgrad", dict(zero_tail="both"), "zero_tail"),
+    ("wgrad", dict(x=(32, 128)), "x_MK has M=32 rows but dy_MN has M=64"),
+    ("wgrad", dict(x_dtype=jnp.float16), "x_MK and dy_MN must share dtype"),
+    ("wgrad", dict(sizes_dtype=jnp.float32), "integer vector"),
+    ("wgrad", dict(x=(64, 64), dy=(64, 64)), "weight gradient needs K=64 or N=64"),
+    ("wgrad", dict(out=jnp.float16), "preferred_element_type"),
+])
+def test_dgrad_and_wgrad_bad_input_raise_clear_value_error(call, bad, match):
+    dy = jnp.zeros(bad.get("dy", (64, 128)), bad.get("dy_dtype", jnp.bfloat16))
+    sizes = jnp.zeros(bad.get("sizes", (2,)), bad.get("sizes_dtype", jnp.int32))
+    tuning = dataclasses.replace(default_tuning(64, 128, 128, 2), zero_tail=bad["zero_tail"]) \
+        if "zero_tail" in bad else None
+    kwargs = dict(preferred_element_type=bad.get("out"), interpret=True, tuning=tuning)
+    with pytest.raises(ValueError, match=match):
+        if call == "dgrad":
+            grouped_gemm_dgrad(dy, jnp.zeros(bad.get("w", (2, 128, 128)), jnp.bfloat16), sizes, **kwargs)
+        else:
+            grouped_gemm_wgrad(jnp.zeros(bad.get("x", (64, 128)), bad.get("x_dtype", jnp.bfloat16)), dy, sizes,
+                               **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
 # GPU (H200): real kernels, default tuning
 # ----------------------------------------------------------------------------------------------------
 def _poison_device_memory(nbytes):
@@ -204,3 +305,13 @@ def test_gpu_kernel_inside_shard_map_matches_reference(weights_sharded):
     for g, r in zip(got, want):
         g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
         assert np.abs(g - r).max() <= 2e-2 * np.abs(r).max()    # bf16 outputs, fp32 accumulation
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_dgrad_and_wgrad_match_their_references(out_dtype):
+    """DeepSeekMoE-like TP-split expert (N = 704 = 11 x 64): wgrad takes the 64 x 64 tile pair."""
+    x, w, dy, group_sizes = _random_problem(23, 4096, 2048, 704, [700, 0, 1500, 33, 0, 900, 1, 400])
+    dy = dy.astype(jnp.bfloat16)
+    _poison_device_memory(64 << 20)
+    _check_dgrad_wgrad(x, w, dy, group_sizes, out_dtype=out_dtype)

@@ -1,0 +1,241 @@
+"""Tiles of the grouped GEMM kernels: how the work is cut, for every kernel that runs grouped GEMM tiles.
+
+One owner per concern: a second kernel (a fused all-gather + grouped GEMM) imports these pieces instead
+of copying them, and `grouped_gemm.py` keeps the kernel bodies, launch, validation and custom VJP.
+  * Tiling:       `GemmTiling`, `GroupedGemmTuning` (both re-exported by grouped_gemm.py); defaults by
+                  shape (`default_tuning`; `default_kernel_tuning` for one kernel called on its own);
+                  `fit_smem` (pipeline depth vs SMEM).
+  * Checks:       `check_tiling` (a hand-made tuning fits the shape), `check_dtypes`, `check_group_sizes`,
+                  `check_zero_tail`: what every entry point's validation shares, with the same messages.
+  * Work tables:  `group_bounds`, `row_tile_table` (forward, input gradient), `token_block_table` (weight
+                  gradient): plain jnp computed on device before a launch, read by the persistent loop.
+  * Tile helpers inside kernel bodies: `swizzle_transforms`, `store_rows` (the ragged-row TMA epilogue),
+                  `mask_token_rows`.
+The module is private (underscore); its names are not, because sibling kernels import them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+NUM_COMPUTE_WGS = 2
+SUPPORTED_IN_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit operand types
+SMEM_BUDGET = 227 * 1024 - 2048  # Hopper's per-block opt-in limit, less room for the pipeline barriers
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tiling (dataclasses, defaults by shape, SMEM fit) and the checks every grouped GEMM entry point runs
+# ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GemmTiling:
+    """Tiles of one kernel. Each of the 2 compute warpgroups owns a `tile_m x tile_n` accumulator;
+    `wg_split` says whether they sit side by side along N (CTA tile tile_m x 2*tile_n) or along M."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    max_concurrent_steps: int = 4
+    wg_split: str = "n"
+    grid_minor: int = 0      # 0: row tiles vary fastest in the work order (w tiles reused from L2)
+    grid_tile_width: int = 8  # band width of the snake order over (row tiles, column tiles)
+    epi_tile_n: int = 64     # output columns staged through SMEM per TMA store
+
+    @property
+    def cta_m(self) -> int:
+        return self.tile_m * (NUM_COMPUTE_WGS if self.wg_split == "m" else 1)
+
+    @property
+    def cta_n(self) -> int:
+        return self.tile_n * (NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmTuning:
+    """Per-kernel tiles: forward `fwd`, input gradient `dgrad`, weight gradient `wgrad` (its tile_m runs
+    over K, tile_n over N, tile_k over tokens). `num_sms=None` reads the device's SM count.
+
+    `zero_tail` says who writes the zero rows past sum(group_sizes) of y and dx: 'kernel' (its tail tiles
+    stream their K loop of loads and skip only the MMA) or 'mask' (the kernels skip those tiles and a
+    jnp.where zeroes them; XLA can fuse the select into the consumer, a standalone call pays one pass over
+    the output). A long tail (expert-parallel dropless buffers are n x the average rows) is where they
+    differ; `benchmarks/bench_grouped_gemm.py --routings padded` times both."""
+
+    fwd: GemmTiling = GemmTiling()
+    dgrad: GemmTiling = GemmTiling()
+    wgrad: GemmTiling = GemmTiling(max_concurrent_steps=4, wg_split="m")
+    num_sms: int | None = None
+    zero_tail: str = "kernel"
+
+
+def fit_tiling(base: GemmTiling, n_cols: int, name: str) -> GemmTiling:
+    """Widest CTA tile along N that divides `n_cols` (TMA blocks must not straddle the edge)."""
+    for split, tile_n in (("n", 128), ("m", 128), ("m", 64)):
+        if n_cols % (tile_n * (NUM_COMPUTE_WGS if split == "n" else 1)) == 0:
+            return dataclasses.replace(base, wg_split=split, tile_n=tile_n, epi_tile_n=min(64, tile_n))
+    raise ValueError(f"{name}={n_cols} must be a multiple of 64; pad the weights to a multiple of 64")
+
+
+def fit_wgrad_tiling(base: GemmTiling, k: int, n: int) -> GemmTiling:
+    """dw tiles are (K rows x N columns); the widest pair of warpgroup tiles that divides both."""
+    for split, tile_m, tile_n in (("m", 128, 128), ("n", 128, 128), ("m", 64, 128), ("n", 64, 64), ("m", 64, 64)):
+        cta_m = tile_m * (NUM_COMPUTE_WGS if split == "m" else 1)
+        cta_n = tile_n * (NUM_COMPUTE_WGS if split == "n" else 1)
+        if k % cta_m == 0 and n % cta_n == 0:
+            return dataclasses.replace(base, wg_split=split, tile_m=tile_m, tile_n=tile_n, epi_tile_n=64)
+    raise ValueError(f"weight gradient needs K={k} or N={n} to be a multiple of 128 (the other of 64); "
+                     "pad the weights")
+
+
+def default_tuning(m: int, k: int, n: int, num_groups: int) -> GroupedGemmTuning:
+    """Defaults by shape: the widest CTA tile that divides the output (forward writes N columns, dgrad
+    K columns, wgrad K x N). Measured on the H200 (benchmarks/results/grouped_gemm_h200.json), the
+    swept alternatives were not faster: Mixtral-like fwd 638-676 TFLOP/s vs 674 for the default,
+    fine-grained 377-421 vs 441 (run-to-run spread is about 5%)."""
+    del m, num_groups
+    fwd = fit_tiling(GemmTiling(), n, "N")
+    dgrad = fit_tiling(GemmTiling(), k, "K")
+    wgrad = fit_wgrad_tiling(GemmTiling(), k, n)
+    return GroupedGemmTuning(fwd=fwd, dgrad=dgrad, wgrad=wgrad)
+
+
+def default_kernel_tuning(kernel: str, k: int, n: int) -> GroupedGemmTuning:
+    """`default_tuning`'s tiles for `kernel` ('dgrad' or 'wgrad') called on its own, so that the other
+    kernels' alignment rules do not reject shapes this one takes (dgrad alone needs only K to fit)."""
+    fit = fit_tiling(GemmTiling(), k, "K") if kernel == "dgrad" else fit_wgrad_tiling(GemmTiling(), k, n)
+    return dataclasses.replace(GroupedGemmTuning(), **{kernel: fit})
+
+
+def fit_smem(cfg: GemmTiling, stage_elems: int, out_dtype) -> GemmTiling:
+    """Drops pipeline stages until the input buffers plus the epilogue staging fit in SMEM (an fp32
+    output doubles the staging)."""
+    out_bytes = NUM_COMPUTE_WGS * cfg.tile_m * cfg.epi_tile_n * jnp.dtype(out_dtype).itemsize
+    steps = cfg.max_concurrent_steps
+    while steps > 2 and steps * stage_elems * 2 + out_bytes > SMEM_BUDGET:
+        steps -= 1
+    return dataclasses.replace(cfg, max_concurrent_steps=steps)
+
+
+def check_tiling(name: str, cfg: GemmTiling, dims_and_tiles, what: str):
+    """A tuning passed by hand must still tile the shape exactly: TMA blocks never straddle an edge."""
+    if cfg.wg_split not in ("m", "n"):
+        raise ValueError(f"tuning.{name}.wg_split must be 'm' or 'n', got {cfg.wg_split!r}")
+    if cfg.tile_n % cfg.epi_tile_n:
+        raise ValueError(f"tuning.{name}.epi_tile_n={cfg.epi_tile_n} must divide tile_n={cfg.tile_n}")
+    for label, dim, tile in dims_and_tiles:
+        if dim % tile:
+            raise ValueError(f"{what}: {label} {dim} is not a multiple of the tuning.{name} tile {tile}; pad "
+                             "the weights (K and N to multiples of 64) or pass another tuning")
+
+
+def check_group_sizes(group_sizes_G, g):
+    if group_sizes_G.shape != (g,) or not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
+        raise ValueError(f"group_sizes_G must be an integer vector of shape ({g},) (one size per weight "
+                         f"group); got {group_sizes_G.dtype} {group_sizes_G.shape}")
+
+
+def check_dtypes(a_name, a, b_name, b, preferred_element_type):
+    """Both operands in one 16-bit dtype (wgmma's rule); returns the output dtype."""
+    if a.dtype != b.dtype or a.dtype not in SUPPORTED_IN_DTYPES:
+        raise ValueError(f"{a_name} and {b_name} must share dtype bfloat16 or float16; got {a.dtype} and "
+                         f"{b.dtype}: cast them (the kernel accumulates in float32 either way)")
+    out_dtype = jnp.dtype(preferred_element_type or a.dtype)
+    if out_dtype not in (jnp.dtype(a.dtype), jnp.dtype(jnp.float32)):
+        raise ValueError(f"preferred_element_type must be None, {a.dtype} or float32; got {out_dtype}")
+    return out_dtype
+
+
+def check_zero_tail(tuning):
+    if tuning.zero_tail not in ("kernel", "mask"):
+        raise ValueError(f"tuning.zero_tail must be 'kernel' or 'mask', got {tuning.zero_tail!r}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Work-item tables (plain jnp, computed on device before the kernels run)
+# ----------------------------------------------------------------------------------------------------
+def group_bounds(group_sizes_G, m):
+    """[start, end) rows of each group, cut at m as ragged_dot cuts them."""
+    ends = jnp.minimum(jnp.cumsum(group_sizes_G.astype(jnp.int32)), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    return starts, jnp.maximum(ends, starts)
+
+
+def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True):
+    """int32 [4, S]: for each (segment, row tile) work slot its segment, tile index, first row inside the
+    tile and row count; and int32 [1], the number of valid slots. Segment G is the tail past
+    sum(group_sizes): it is stored as zeros. S = cdiv(m, tile) + G bounds the slot count (each boundary
+    adds at most one tile); the kernel loops over the valid slots only, so spare ones cost nothing and
+    do not unbalance the SMs."""
+    num_groups = group_sizes_G.shape[0]
+    starts, ends = group_bounds(group_sizes_G, m)
+    starts = jnp.concatenate([starts, ends[-1:]])
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    first = starts // tile
+    n_tiles = jnp.where(ends > starts, (ends - 1) // tile - first + 1, 0)
+    inclusive = jnp.cumsum(n_tiles)
+    slot = jnp.arange(pl.cdiv(m, tile) + num_groups, dtype=jnp.int32)
+    seg = jnp.searchsorted(inclusive, slot, side="right").astype(jnp.int32)
+    valid = seg <= num_groups
+    seg = jnp.minimum(seg, num_groups)
+    block = first[seg] + slot - (inclusive[seg] - n_tiles[seg])
+    lo = jnp.maximum(starts[seg], block * tile) - block * tile
+    hi = jnp.minimum(ends[seg], block * tile + tile) - block * tile
+    count = jnp.where(valid, hi - lo, 0)
+    table = jnp.stack([seg, jnp.where(valid, block, 0), lo, count]).astype(jnp.int32)
+    # Valid slots come first, the tail's last; their number (without the tail's when with_tail is False).
+    return table, (inclusive[-1:] if with_tail else inclusive[-2:-1]).astype(jnp.int32)
+
+
+def token_block_table(group_sizes_G, m: int, tile: int):
+    """int32 [4, G]: each group's first token block, block count (at least 1, so an empty group still
+    writes its zeros), and [start, end) rows — the rows outside are masked in the first/last block."""
+    starts, ends = group_bounds(group_sizes_G, m)
+    first = starts // tile
+    n_blocks = jnp.maximum(pl.cdiv(ends, tile) - first, 1)
+    return jnp.stack([first, n_blocks, starts, ends]).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Helpers inside kernel bodies
+# ----------------------------------------------------------------------------------------------------
+def swizzle_transforms(minor_elems: int, dtype):
+    swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)
+
+
+def store_rows(acc, out_smem, out_gmem, row0, col0, cfg: GemmTiling, rows=None):
+    """Stores this warpgroup's accumulator at out_gmem[row0:, col0:]; `rows=(lo, count)` keeps only rows
+    [lo, lo+count). TMA boxes are static, so a ragged count is written as a sum of powers of two, one
+    store per set bit (rows=None: the whole tile in one store)."""
+    wg_rows = out_smem.shape[0]
+    for ni in range(cfg.tile_n // cfg.epi_tile_n):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous stores have read out_smem
+        out_smem[...] = acc[:, ni * cfg.epi_tile_n:(ni + 1) * cfg.epi_tile_n].astype(out_smem.dtype)
+        plgpu.commit_smem()
+        cols = pl.ds(col0 + ni * cfg.epi_tile_n, cfg.epi_tile_n)
+        if rows is None:
+            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(row0, wg_rows), cols])
+            continue
+        start, count = rows
+        bit = 1 << (wg_rows.bit_length() - 1)
+        while bit:
+            pl.when((count & bit) != 0)(functools.partial(
+                plgpu.copy_smem_to_gmem, out_smem.at[pl.ds(start, bit)],
+                out_gmem.at[pl.ds(row0 + start, bit), cols]))
+            start = start + (count & bit)
+            bit >>= 1
+
+
+def mask_token_rows(ref, row0, start, end):
+    """Zeroes rows of an SMEM tile whose token index is outside [start, end) (neighbouring groups or
+    rows past the end). A multiply by the 0/1 mask: those rows must hold finite values."""
+    vals = ref[...]
+    rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, vals.shape, 0), plgpu.Layout.WGMMA) + row0
+    keep = (rows >= start) & (rows < end)
+    ref[...] = vals * keep.astype(vals.dtype)
+    plgpu.commit_smem()
