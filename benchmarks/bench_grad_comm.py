@@ -17,7 +17,8 @@ import numpy as np
 
 from benchmarks.bench_train import write_json
 from benchmarks.environment import environment
-from megascale_jax import train
+from benchmarks.bench_train import run_trainer
+from megascale_jax import step as step_lib
 from megascale_jax.config import default_config
 from megascale_jax.parallel import grad_comm
 from megascale_jax.parallel.hlo_bytes import parse_collectives
@@ -25,21 +26,20 @@ from megascale_jax.parallel.hlo_bytes import parse_collectives
 MODES = ("fp32", "bf16", "fp8")
 
 
-def _config(mode: str, steps: int, out_dir: str):
-    return default_config("tiny_cpu", num_devices=jax.device_count(), **{
-        "parallel.plan": "manual", "parallel.optimizer_sharding": "zero1", "parallel.grad_comm": mode,
-        "train.steps": steps, "train.log_every": 10, "train.eval_every": 0, "output.dir": out_dir,
-        "output.tensorboard": False})
+def _overrides(mode: str, steps: int, out_dir: str) -> dict:
+    return {"parallel.plan": "manual", "parallel.optimizer_sharding": "zero1", "parallel.grad_comm": mode,
+            "train.steps": steps, "train.log_every": 10, "train.eval_every": 0, "output.dir": out_dir,
+            "output.tensorboard": False}
 
 
 def wire_bytes_per_step(cfg) -> dict:
     """Gradient-exchange bytes one device sends per step, from the compiled step's HLO."""
-    trainer = train.build_trainer(cfg)
+    trainer = step_lib.build(cfg)
     t = cfg.train
-    sharding = trainer.plan.batch_sharding(trainer.mesh)
+    sharding = trainer.batch_sharding()
     batch = {k: jax.ShapeDtypeStruct((t.global_batch, t.seq_len), np.int32, sharding=sharding)
              for k in ("inputs", "targets")}
-    text = train.make_train_step(trainer).lower(trainer.abstract_state, batch).compile().as_text()
+    text = step_lib.make_train_step(trainer).lower(trainer.abstract_state, batch).compile().as_text()
     kinds = {}
     for c in parse_collectives(text, jax.device_count()):
         if c.kind in ("all-to-all", "reduce-scatter"):   # the gradient exchange (the all-gather is params)
@@ -70,8 +70,9 @@ def main() -> None:
                "gradient_relative_error": gradient_error(), "runs": {}}
     for mode in MODES:
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = _config(mode, args.steps, tmp)
-            logged = train.run(cfg)
+            overrides = _overrides(mode, args.steps, tmp)
+            cfg = default_config("tiny_cpu", num_devices=jax.device_count(), **overrides)
+            logged = run_trainer("tiny_cpu", overrides, tmp)
         payload["runs"][mode] = {"steps": [l["step"] for l in logged], "loss": [l["loss"] for l in logged],
                                  "wire_bytes_per_step": wire_bytes_per_step(cfg)}
         write_json(args.out, payload)

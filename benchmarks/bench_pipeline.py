@@ -19,7 +19,7 @@ import numpy as np
 
 from benchmarks.bench_train import bench_config, write_json
 from benchmarks.environment import environment
-from megascale_jax.model.pipelined import bubble_report
+from megascale_jax.parallel.pipeline_schedules import schedule_summary as bubble_report
 
 BENCHMARK = "bench_pipeline"
 
@@ -75,7 +75,7 @@ def main() -> None:
             bubble = bubble_report(schedule, stages, m)
             rows.append(run(f"{schedule}_m{m}", {
                 "parallel.data": data // stages, "parallel.pipe": stages, "parallel.intra": 1,
-                "parallel.pipeline_schedule": schedule, "parallel.num_microbatches": m,
+                "parallel.pipeline_schedule": schedule, "train.microbatches": m,
                 "train.global_batch": m * args.microbatch_size * (data // stages)},
                 {"schedule": schedule, "num_microbatches": m,
                  "bubble_formula": bubble["bubble_fraction_formula"],

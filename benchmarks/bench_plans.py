@@ -21,11 +21,11 @@ from benchmarks.environment import environment
 
 BENCHMARK = "bench_plans"
 PLANS = {
-    "xla": {"parallel.plan": "xla"},
-    "sp+ep": {"parallel.plan": "manual", "parallel.attention": "sp", "parallel.ffn": "ep"},
-    "tp+tp": {"parallel.plan": "manual", "parallel.attention": "tp", "parallel.ffn": "tp"},
-    "tp+ep": {"parallel.plan": "manual", "parallel.attention": "tp", "parallel.ffn": "ep"},
-    "sp+tp": {"parallel.plan": "manual", "parallel.attention": "sp", "parallel.ffn": "tp"},
+    "xla": {"plan_recipe": "xla"},                 # configs/plans.py
+    "sp+ep": {"plan_recipe": "megascale"},
+    "tp+tp": {"plan_recipe": "megatron_tp"},
+    "tp+ep": {"plan_recipe": "tp_ep"},
+    "sp+tp": {"plan_recipe": "sp_tp"},
 }
 
 

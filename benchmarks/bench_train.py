@@ -1,12 +1,12 @@
 """Train-step throughput of whole configs, side by side in one process: tokens/s, step time, MFU.
 
     python -m benchmarks.bench_train --configs tiny_cpu,mixtral_small --steps 30 \
-        --set parallel.grouped_gemm=xla --out benchmarks/results/train_baseline_h200.json
+        --set kernels.grouped_gemm=xla --out benchmarks/results/train_baseline_h200.json
 
-Each config runs `megascale_jax.train.run` (the real trainer, synthetic or real data as configured) for
-`--steps` steps, logging every `--log-every`; throughput is the median over log intervals after the first
-(the first interval includes compilation). `--variant NAME:key=value,...` adds runs of the same configs
-with overrides, e.g. `--variant pallas:parallel.grouped_gemm=pallas`.
+Each config runs the real trainer, `python -m megascale_jax.train` (synthetic or real data as configured), in a
+subprocess for `--steps` steps, logging every `--log-every`, and reads its metrics.jsonl; throughput is the
+median over log intervals after the first (the first interval includes compilation). `--variant
+NAME:key=value,...` adds runs of the same configs with overrides, e.g. `--variant xla:kernels.grouped_gemm=xla`.
 """
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 
 import jax
 
 from benchmarks import gpu_trace
 from benchmarks.environment import environment
-from megascale_jax import train
 from megascale_jax.config import default_config
 from megascale_jax.metrics import peak_flops_per_device
 from megascale_jax.model.accounting import model_size
@@ -37,17 +38,30 @@ def _parse_overrides(text: str) -> dict:
     return out
 
 
+def run_trainer(name: str, overrides: dict, out_dir: str) -> list[dict]:
+    """`python -m megascale_jax.train --config configs/<name>.py --config.<key>=<value> ...` as a user runs it;
+    returns its logged train records (metrics.jsonl). A failed run raises with the tail of its stderr."""
+    flags = [f"--config.{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in overrides.items()]
+    cmd = [sys.executable, "-m", "megascale_jax.train", f"--config=configs/{name}.py", *flags]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-1500:]}")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r.get("split") == "train"]
+
+
 def bench_config(name: str, steps: int, log_every: int, overrides: dict, profile_steps: int = 0) -> dict:
     """`profile_steps` > 0 traces that many steps at the end of the run (after compilation and warm-up) and adds
     the GPU time breakdown of `benchmarks.gpu_trace` as row["profile"]."""
     profile = {"profile.start_step": steps - profile_steps, "profile.num_steps": profile_steps} if profile_steps \
         else {}
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = default_config(name, num_devices=jax.device_count(), **{
-            "train.steps": steps, "train.log_every": log_every, "train.eval_every": 0,
-            "train.warmup_steps": min(5, steps), "output.dir": tmp, "output.tensorboard": False,
-            **profile, **overrides})
-        logged = train.run(cfg)
+        overrides = {"train.steps": steps, "train.log_every": log_every, "train.eval_every": 0,
+                     "train.warmup_steps": min(5, steps), "output.dir": tmp, "output.tensorboard": False,
+                     **profile, **overrides}
+        cfg = default_config(name, num_devices=jax.device_count(), **overrides)   # errors before the run
+        logged = run_trainer(name, overrides, tmp)
         breakdown = gpu_trace.breakdown(gpu_trace.load_trace(gpu_trace.latest_trace_file(
             os.path.join(tmp, "profile"))), profile_steps) if profile_steps else None
     rates = [l["tokens_per_s"] for l in logged[1:] if l.get("tokens_per_s")]
@@ -56,7 +70,7 @@ def bench_config(name: str, steps: int, log_every: int, overrides: dict, profile
     peak = peak_flops_per_device(jax.devices()[0])
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     return {
-        "config": name, "overrides": overrides, "steps": steps,
+        "config": name, "overrides": {k: v for k, v in overrides.items() if k != "output.dir"}, "steps": steps,
         "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
         "total_params": size.total_params, "active_params": size.active_params,
         "train_flops_per_token": size.train_flops_per_token,

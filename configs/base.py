@@ -11,6 +11,9 @@ from ml_collections import ConfigDict
 def get_config() -> ConfigDict:
     c = ConfigDict()
     c.name = "base"
+    # How the intra-node domain is used: xla | megascale (SP+EP) | megatron_tp | tp_ep | sp_tp (configs/plans.py).
+    # parallel.plan / attention / ffn / intra below override the recipe when set.
+    c.plan_recipe = "xla"
 
     c.model = ConfigDict()
     c.model.vocab_size = 256
@@ -18,6 +21,7 @@ def get_config() -> ConfigDict:
     c.model.hidden = 64
     c.model.num_heads = 4
     c.model.num_kv_heads = 2          # GQA: num_heads % num_kv_heads == 0; ratio m = heads / kv heads
+    c.model.attention_kind = "gqa"    # the attention module (model/attention.py)
     c.model.dense_ffn = 256           # FFN width of the leading dense layers (DeepSeekMoE's first layer)
     c.model.num_dense_layers = 0      # leading layers with a dense SwiGLU FFN instead of MoE
     c.model.rope_theta = 10000.0
@@ -32,6 +36,7 @@ def get_config() -> ConfigDict:
     c.model.moe.num_shared_experts = 0   # shared experts run on every token (DeepSeekMoE, Hunyuan-Large)
     c.model.moe.shared_expert_ffn = 0    # width of each shared expert; 0 = expert_ffn
     c.model.moe.renormalize = True       # renormalise the top-k probabilities to sum to 1
+    c.model.moe.router_kind = "softmax_topk"   # the router module (model/moe/router.py)
     c.model.moe.aux_loss_weight = 0.01
     c.model.moe.z_loss_weight = 0.001
     # Experts counted as one virtual expert in the balance loss (paper: the experts of one EP rank).
@@ -43,26 +48,29 @@ def get_config() -> ConfigDict:
 
     c.parallel = ConfigDict()
     c.parallel.data = -1              # data-parallel size; -1 = all devices left after intra and pipe
-    c.parallel.intra = 1              # size of the intra-node domain (SP / EP / TP group)
+    c.parallel.intra = 0              # intra-node domain (SP / EP / TP group); 0 = the plan recipe's choice
     c.parallel.pipe = 1               # pipeline stages (layers split over the 'pipe' mesh axis)
-    c.parallel.pipeline_schedule = "1f1b"   # gpipe | 1f1b | interleaved (pipe > 1)
-    c.parallel.num_microbatches = 1   # microbatches per step through the pipeline
+    c.parallel.pipeline_schedule = "1f1b"   # gpipe | 1f1b | interleaved (pipe > 1; train.microbatches flow through)
     c.parallel.virtual_stages = 1     # layer chunks per device (interleaved schedule)
-    c.parallel.plan = "xla"           # xla: annotations + sharding propagation; manual: shard_map SP/EP/TP
-    c.parallel.attention = "sp"       # sp (Ulysses) | tp (Megatron heads) — manual plan only
-    c.parallel.ffn = "ep"             # ep (whole experts per rank) | tp (expert FFN width sharded)
+    c.parallel.plan = ""              # "" = recipe | xla: annotations + propagation | manual: per-device shard_map
+    c.parallel.attention = ""         # "" = recipe | sp (Ulysses) | tp (Megatron heads) — manual plan only
+    c.parallel.ffn = ""               # "" = recipe | ep (whole experts per rank) | tp (expert FFN width sharded)
     c.parallel.ep_dispatch = "auto"   # all_to_all | all_gather | auto (by top_k vs the crossover below)
     c.parallel.dispatch_crossover_top_k = 6   # auto uses all_gather when top_k > this (paper: > 6)
-    c.parallel.grouped_gemm = "auto"  # xla (lax.ragged_dot) | pallas (Mosaic GPU kernel) | auto
-    c.parallel.attention_impl = "auto"  # xla | cudnn | auto (cudnn on GPU with bf16)
-    # none: optimizer state replicated, gradients reduced by the compiler in fp32.
-    # zero1: optimizer state sharded over `data` (ZeRO-1); gradients reduce-scattered as grad_comm says.
+    # none: optimizer state sharded like the parameters. zero1: optimizer state sharded over `data`.
     c.parallel.optimizer_sharding = "none"
-    c.parallel.grad_comm = "fp32"     # fp32 | bf16 | fp8 on the wire, summed locally in fp32 (zero1 only)
+    # Data-parallel gradient exchange: fp32 (compiler all-reduce / reduce-scatter) | bf16 | fp8 on the wire,
+    # summed locally in fp32 (per-device step: manual plan or pipeline).
+    c.parallel.grad_comm = "fp32"
+
+    c.kernels = ConfigDict()          # resolved once when the model is built (megascale_jax/step.py)
+    c.kernels.grouped_gemm = "auto"   # xla (lax.ragged_dot) | pallas (Mosaic GPU kernel) | auto
+    c.kernels.attention = "auto"      # xla | cudnn | auto (cudnn on GPU with bf16)
 
     c.train = ConfigDict()
     c.train.steps = 100
     c.train.global_batch = 8
+    c.train.microbatches = 1          # per optimizer step: gradient accumulation, or the pipeline's microbatches
     c.train.seq_len = 128
     c.train.learning_rate = 3e-3
     c.train.warmup_steps = 10
@@ -103,7 +111,9 @@ def get_config() -> ConfigDict:
 
 
 def large_scale_training(c: ConfigDict, **overrides) -> ConfigDict:
-    """The training schedule the paper-scale model configs share (override per model where it differs)."""
+    """What the paper-scale model configs share: the paper's plan (SP attention + EP experts over the node's
+    devices) and the training schedule (override per model where it differs)."""
+    c.plan_recipe = "megascale"
     c.train.update(global_batch=256, seq_len=4096, learning_rate=3e-4, warmup_steps=2000, steps=100_000,
                    eval_every=1000, log_every=10)
     c.train.update(**overrides)

@@ -2,7 +2,10 @@
 experts: 64 routed of FFN 1408, top-6, plus 2 shared experts of FFN 1408; the first layer is dense
 (FFN 10944); vocab 102400. 16.4 B parameters, 2.8 B active.
 
-    python -m megascale_jax.train --config configs/deepseekmoe_16b.py --config.parallel.intra=8
+    python -m megascale_jax.train --config configs/deepseekmoe_16b.py
+
+runs the paper's plan (plan_recipe 'megascale': SP attention + EP experts over the node's GPUs);
+add --config.plan_recipe=megatron_tp for the TP baseline (configs/plans.py lists the recipes).
 """
 from configs import base
 

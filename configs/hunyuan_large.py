@@ -2,7 +2,10 @@
 experts of FFN 18304, top-1, plus 1 shared expert of FFN 18304; vocab 128512. 389 B parameters, 52 B active.
 (Hunyuan's cross-layer KV sharing is not modelled; it changes the KV parameter count by well under 1%.)
 
-    python -m megascale_jax.train --config configs/hunyuan_large.py --config.parallel.intra=8 --config.parallel.pipe=8
+    python -m megascale_jax.train --config configs/hunyuan_large.py --config.parallel.pipe=8
+
+runs the paper's plan (plan_recipe 'megascale': SP attention + EP experts over the node's GPUs);
+add --config.plan_recipe=megatron_tp for the TP baseline (configs/plans.py lists the recipes).
 """
 from configs import base
 

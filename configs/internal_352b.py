@@ -2,7 +2,10 @@
 GQA ratio m = 4 (8 KV heads), 32 experts of FFN 14336, top-3, sequence 8192, vocab 65536.
 (Our count of this shape is ~341 B; the paper's 352 B name may include parts it does not publish.)
 
-    python -m megascale_jax.train --config configs/internal_352b.py --config.parallel.intra=8 --config.parallel.pipe=12
+    python -m megascale_jax.train --config configs/internal_352b.py --config.parallel.pipe=12
+
+runs the paper's plan (plan_recipe 'megascale': SP attention + EP experts over the node's GPUs);
+add --config.plan_recipe=megatron_tp for the TP baseline (configs/plans.py lists the recipes).
 """
 from configs import base
 

@@ -1,7 +1,10 @@
 """Mixtral-8x22B (Mistral AI): 56 layers, hidden 6144, 48 heads / 8 KV heads, 8 experts of FFN 16384,
 top-2, vocab 32768. 141 B parameters, 39 B active.
 
-    python -m megascale_jax.train --config configs/mixtral_8x22b.py --config.parallel.intra=8 --config.parallel.pipe=4
+    python -m megascale_jax.train --config configs/mixtral_8x22b.py --config.parallel.pipe=4
+
+runs the paper's plan (plan_recipe 'megascale': SP attention + EP experts over the node's GPUs);
+add --config.plan_recipe=megatron_tp for the TP baseline (configs/plans.py lists the recipes).
 """
 from configs import base
 

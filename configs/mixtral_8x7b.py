@@ -1,7 +1,10 @@
 """Mixtral-8x7B (Mistral AI, arXiv 2401.04088): 32 layers, hidden 4096, 32 heads / 8 KV heads,
 8 experts of FFN 14336, top-2, vocab 32000. 46.7 B parameters, 12.9 B active.
 
-    python -m megascale_jax.train --config configs/mixtral_8x7b.py --config.parallel.intra=8
+    python -m megascale_jax.train --config configs/mixtral_8x7b.py
+
+runs the paper's plan (plan_recipe 'megascale': SP attention + EP experts over the node's GPUs);
+add --config.plan_recipe=megatron_tp for the TP baseline (configs/plans.py lists the recipes).
 """
 from configs import base
 

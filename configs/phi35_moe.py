@@ -1,7 +1,10 @@
 """Phi-3.5-MoE (Microsoft, arXiv 2404.14219): 32 layers, hidden 4096, 32 heads / 8 KV heads, 16 experts of
 FFN 6400, top-2, vocab 32064. 41.9 B parameters, 6.6 B active.
 
-    python -m megascale_jax.train --config configs/phi35_moe.py --config.parallel.intra=8
+    python -m megascale_jax.train --config configs/phi35_moe.py
+
+runs the paper's plan (plan_recipe 'megascale': SP attention + EP experts over the node's GPUs);
+add --config.plan_recipe=megatron_tp for the TP baseline (configs/plans.py lists the recipes).
 """
 from configs import base
 

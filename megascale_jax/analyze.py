@@ -50,7 +50,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from megascale_jax import config as config_lib  # noqa: E402
-from megascale_jax import train  # noqa: E402
+from megascale_jax import step as step_lib  # noqa: E402
 from megascale_jax.model.accounting import model_size  # noqa: E402
 from megascale_jax.parallel.hlo_bytes import DTYPE_BYTES, parse_collectives  # noqa: E402
 
@@ -99,7 +99,7 @@ def collectives_by_component(hlo_text: str, num_devices: int) -> dict[str, dict]
 
 def _abstract_batch(trainer):
     t = trainer.cfg.train
-    sharding = trainer.plan.batch_sharding(trainer.mesh)
+    sharding = trainer.batch_sharding()
     shape = jax.ShapeDtypeStruct((t.global_batch, t.seq_len), jnp.int32, sharding=sharding)
     return {"inputs": shape, "targets": shape}
 
@@ -116,16 +116,15 @@ def analyze(cfg, devices=None, *, full_step: bool = True) -> dict:
     """
     devices = list(jax.devices() if devices is None else devices)
     layer_cfg = _one_moe_layer(cfg)
-    trainer = train.build_trainer(layer_cfg, devices)
-    fn = train.model_objective(trainer.graphdef, trainer.layout, layer_cfg.model.moe)
+    trainer = step_lib.build(layer_cfg, devices)
+    fn = step_lib.loss_and_metrics(trainer)
     batch = _abstract_batch(trainer)
-    forward = jax.jit(lambda p, b: trainer.layout.evaluate(fn, p, b)[0]).lower(
-        trainer.abstract_state["params"], batch).compile()
-    layer_step = train.make_train_step(trainer).lower(trainer.abstract_state, batch).compile()
+    forward = jax.jit(lambda p, b: fn(p, b)[0]).lower(trainer.abstract_state["params"], batch).compile()
+    layer_step = step_lib.make_train_step(trainer).lower(trainer.abstract_state, batch).compile()
     memory = None
     if full_step:
-        full = train.build_trainer(cfg, devices)
-        memory = train.make_train_step(full).lower(full.abstract_state, _abstract_batch(full)).compile() \
+        full = step_lib.build(cfg, devices)
+        memory = step_lib.make_train_step(full).lower(full.abstract_state, _abstract_batch(full)).compile() \
             .memory_analysis()
     cost = layer_step.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost

@@ -1,6 +1,8 @@
-"""Optimizer: optax AdamW with linear warmup + cosine decay and global-norm gradient clipping.
+"""Optimizer: optax AdamW with linear warmup + cosine decay; global-norm gradient clipping.
 
 Weight decay applies to matrices only (ndim >= 2): norms' scales are left alone, as is customary.
+Clipping is not part of the optax chain: the step's updaters (megascale_jax/step.py, parallel/zero.py)
+compute the global norm themselves, because per device each holds only shards of the gradient.
 """
 from __future__ import annotations
 
@@ -18,17 +20,23 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
+    """AdamW on a parameter pytree (elementwise, so it runs on each device's shards as well)."""
     t = train_cfg
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
-    return optax.chain(
-        optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity(),
-        optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask),
-    )
+    return optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask)
+
+
+def clip_by_norm(grads, norm, max_norm: float | None):
+    """optax.clip_by_global_norm's arithmetic with the norm given (a global norm over sharded leaves)."""
+    if max_norm is None:
+        return grads
+    clipped = norm >= max_norm
+    return jax.tree.map(lambda g: jnp.where(clipped, (g / norm) * max_norm, g), grads)
 
 
 def make_flat_optimizer(train_cfg, decay_mask_flat) -> optax.GradientTransformation:
-    """AdamW for ZeRO-1's flat parameter slices, equal to `make_optimizer` without its clipping (ZeRO-1
-    clips by the global norm itself). The weight-decay mask is a flat 0/1 vector kept *in the optimizer
+    """AdamW for ZeRO-1's flat parameter slices, equal to `make_optimizer` (ZeRO-1 clips by the global norm
+    itself). The weight-decay mask is a flat 0/1 vector kept *in the optimizer
     state*, so ZeRO-1 shards it with the other state and each rank decays exactly its slice's matrices."""
     t = train_cfg
     return optax.chain(optax.scale_by_adam(b1=t.b1, b2=t.b2), _masked_weight_decay(t.weight_decay, decay_mask_flat),

@@ -7,7 +7,8 @@ from ml_collections import ConfigDict
 from megascale_jax import config as config_lib
 from megascale_jax.config import ConfigError, default_config
 
-CONFIG_NAMES = sorted(p.stem for p in pathlib.Path("configs").glob("*.py") if p.stem != "__init__")
+CONFIG_NAMES = sorted(p.stem for p in pathlib.Path("configs").glob("*.py") if p.stem not in ("__init__", "plans"))
+PAPER_MODELS = ("mixtral_8x7b", "mixtral_8x22b", "phi35_moe", "deepseekmoe_16b", "hunyuan_large", "internal_352b")
 
 
 @pytest.mark.parametrize("name", CONFIG_NAMES)
@@ -79,7 +80,30 @@ def test_mesh_against_device_count():
 
 
 def test_dispatch_auto_follows_the_top_k_crossover():
-    assert config_lib.dispatch_mode(default_config("tiny_cpu", **{"model.moe.top_k": 6})) == "all_to_all"
-    assert config_lib.dispatch_mode(default_config("tiny_cpu", **{"model.moe.top_k": 7})) == "all_gather"
-    assert config_lib.dispatch_mode(default_config("tiny_cpu", **{"parallel.ep_dispatch": "all_gather"})) \
+    assert default_config("tiny_cpu", **{"model.moe.top_k": 6}).parallel.ep_dispatch == "all_to_all"
+    assert default_config("tiny_cpu", **{"model.moe.top_k": 7}).parallel.ep_dispatch == "all_gather"
+    assert default_config("tiny_cpu", **{"parallel.ep_dispatch": "all_gather"}).parallel.ep_dispatch \
         == "all_gather"
+
+
+@pytest.mark.parametrize("name", PAPER_MODELS)
+def test_paper_models_run_the_papers_plan_on_a_node(name):
+    """As their docstrings launch them, on 8 devices (one simulated node): manual SP attention + EP experts
+    over all 8; --config.plan_recipe picks another plan, explicit parallel keys override a recipe."""
+    cfg = default_config(name, num_devices=8)
+    p = cfg.parallel
+    assert (cfg.plan_recipe, p.plan, p.attention, p.ffn, p.intra, p.data) == ("megascale", "manual", "sp", "ep", 8, 1)
+    tp = default_config(name, num_devices=8, plan_recipe="megatron_tp").parallel
+    assert (tp.plan, tp.attention, tp.ffn, tp.intra) == ("manual", "tp", "tp", 8)
+    mixed = default_config(name, num_devices=8, **{"parallel.attention": "tp", "parallel.intra": 4}).parallel
+    assert (mixed.plan, mixed.attention, mixed.ffn, mixed.intra, mixed.data) == ("manual", "tp", "ep", 4, 2)
+
+
+def test_choices_come_from_the_consumers_enums():
+    from megascale_jax.model.transformer import Remat
+    from megascale_jax.parallel.plan import EPDispatch
+
+    assert config_lib.CHOICES["train.remat"] == tuple(r.value for r in Remat)
+    assert config_lib.CHOICES["parallel.ep_dispatch"] == tuple(d.value for d in EPDispatch)
+    with pytest.raises(ConfigError, match="plan_recipe='megatron'; choose one of xla, megascale"):
+        default_config("tiny_cpu", plan_recipe="megatron")

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import jax
 import pytest
-from jax import P
 
 from megascale_jax.parallel import distributed
 
@@ -112,13 +111,3 @@ def test_initialize_single_process_is_a_noop(monkeypatch, capsys):
 def test_initialize_rejects_bad_flags(args, match):
     with pytest.raises(ValueError, match=match):
         distributed.initialize(*args)
-
-
-def test_single_process_owns_whole_batch():
-    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-    assert distributed.process_batch_slice(32, mesh, P("data")) == slice(0, 32)
-    assert distributed.data_parallel_ranks(mesh, "data") == range(0, 2)
-    with pytest.raises(ValueError, match="axis='pipe'"):
-        distributed.data_parallel_ranks(mesh, "pipe")
-    x = distributed.make_global_array(jax.numpy.ones((32, 3)), mesh, P("data"))
-    assert x.shape == (32, 3) and x.sharding.spec == P("data")

@@ -1,6 +1,7 @@
-"""The real MoE Transformer through the pipeline schedules equals the single-device model: loss and grads.
+"""The real MoE Transformer through the pipeline schedules (megascale_jax/gradients.py's `pipeline` source, run
+per device in the step's shard_map) equals the single-device model: loss and grads.
 
-Reference: `jax.value_and_grad` of `loss.objective` on one device with the LocalLayout. With the balance
+Reference: `jax.value_and_grad` of `Transformer.loss` on one device with the local layout. With the balance
 loss weighted the reference is the mean of `objective` over the same microbatches (rows m, m+M, ...),
 because the balance loss is not linear in the tokens; with aux_loss_weight = 0 it is `objective` on
 the whole batch (CE and z-loss are token means, so microbatching does not change them).
@@ -13,12 +14,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from megascale_jax import train
-from megascale_jax.config import default_config
-from megascale_jax.model.layout import LocalLayout, layout_for
-from megascale_jax.model.loss import objective
-from megascale_jax.model.pipelined import bubble_report, pipeline_loss_and_grads
-from megascale_jax.parallel.plan import ParallelPlan
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from megascale_jax import step
+from megascale_jax.config import ConfigError, default_config
+from megascale_jax.parallel.layouts import local_layout
+from megascale_jax.parallel.pipeline_schedules import schedule_summary
+from megascale_jax.parallel.plan import DATA
 
 SMALL = {"model.hidden": 32, "model.num_heads": 4, "model.num_kv_heads": 2, "model.moe.expert_ffn": 32,
          "model.num_layers": 4, "model.num_dense_layers": 0, "train.global_batch": 8, "train.seq_len": 16,
@@ -28,8 +31,8 @@ SMALL = {"model.hidden": 32, "model.num_heads": 4, "model.num_kv_heads": 2, "mod
 
 def _model(**overrides):
     cfg = default_config("tiny_cpu", num_devices=1, **{**SMALL, **overrides})
-    graphdef = nnx.split(nnx.eval_shape(lambda: train._new_model(cfg)))[0]
-    params = jax.jit(lambda: nnx.state(train._new_model(cfg)))()   # one compiled init, not many eager ops
+    graphdef = nnx.split(nnx.eval_shape(lambda: step.new_model(cfg)))[0]
+    params = jax.jit(lambda: nnx.state(step.new_model(cfg)))()   # one compiled init, not many eager ops
     tokens = jax.random.randint(jax.random.key(3), (cfg.train.global_batch, cfg.train.seq_len + 1), 0, 256)
     return cfg, graphdef, params, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
@@ -45,18 +48,19 @@ def models():
 @pytest.fixture(scope="module")
 def reference(models):
     """reference(tied, aux_weight, M) -> ((loss, ce), grads): the mean over M microbatches (rows m,
-    m+M, ...) of `objective` and its gradient, on one device; cached, several cases share one."""
+    m+M, ...) of `Transformer.loss` and its gradient, on one device; cached, several cases share one."""
     cache = {}
 
     def get(tied, aux_weight, num_microbatches):
         key = (tied, aux_weight, num_microbatches)
         if key not in cache:
             cfg, graphdef, params, batch = models[tied]
-            moe_cfg = dataclasses.replace(cfg.model.moe, aux_loss_weight=aux_weight)
+            graphdef = _with_aux_weight(cfg, aux_weight)
 
             def loss_of(params):
                 def one(rows):
-                    total, metrics = objective(nnx.merge(graphdef, params), rows, LocalLayout(), moe_cfg)
+                    layout = local_layout(cfg.model.moe.num_experts)
+                    total, metrics = nnx.merge(graphdef, params).loss(rows, layout)
                     return total, metrics["ce"]
                 split = {k: jnp.swapaxes(v.reshape(-1, num_microbatches, v.shape[1]), 0, 1)
                          for k, v in batch.items()}
@@ -80,17 +84,13 @@ def reference(models):
 def test_pipelined_model_equals_single_device(models, reference, schedule, data, pipe, intra,
                                               microbatches, virtual, tied, aux_weight):
     cfg, graphdef, params, batch = models[tied]
-    moe_cfg = dataclasses.replace(cfg.model.moe, aux_loss_weight=aux_weight)
     reference_microbatches = 1 if aux_weight == 0.0 else microbatches
     (ref_loss, ref_ce), ref_grads = reference(tied, aux_weight, reference_microbatches)
 
-    plan = ParallelPlan(data, pipe, intra, kind="manual" if intra > 1 else "xla")
-    mesh = plan.make_mesh(jax.devices()[:plan.num_devices])
-    layout = layout_for(cfg, plan, mesh)
-    run = jax.jit(lambda p, b: pipeline_loss_and_grads(
-        graphdef, p, b, mesh=mesh, moe_cfg=moe_cfg, layout=layout, schedule=schedule,
-        num_microbatches=microbatches, virtual_stages=virtual))
-    loss, metrics, grads = run(params, batch)
+    loss, metrics, grads = _pipelined(cfg, aux_weight, params, batch, **{
+        "parallel.data": data, "parallel.pipe": pipe, "parallel.intra": intra,
+        "parallel.plan": "manual" if intra > 1 else "xla", "parallel.pipeline_schedule": schedule,
+        "train.microbatches": microbatches, "parallel.virtual_stages": virtual})
 
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
     assert float(metrics["ce"]) == pytest.approx(float(ref_ce), rel=1e-6)
@@ -117,28 +117,50 @@ def test_balance_loss_is_per_microbatch(reference):
     assert abs(float(whole) - float(split)) > 1e-6
 
 
-def test_errors_name_the_argument(models):
-    cfg, graphdef, params, batch = models[False]
-    plan = ParallelPlan(2, 2, 2, kind="xla")
-    mesh = plan.make_mesh(jax.devices())
+def _with_aux_weight(cfg, aux_weight):
+    moe = dataclasses.replace(cfg.model.moe, aux_loss_weight=aux_weight)
+    model_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe))
+    return nnx.split(nnx.eval_shape(lambda: step.new_model(model_cfg)))[0]
 
-    def call(graphdef=graphdef, params=params, batch=batch, layout=LocalLayout(), mesh=mesh, **kw):
-        kw = {"schedule": "1f1b", "num_microbatches": 2, **kw}
-        return jax.eval_shape(lambda: pipeline_loss_and_grads(   # trace only: errors come first
-            graphdef, params, batch, mesh=mesh, moe_cfg=cfg.model.moe, layout=layout, **kw))
 
-    with pytest.raises(ValueError, match="needs the manual plan"):
-        call()
-    mesh = ParallelPlan(4, 2, 1).make_mesh(jax.devices())
-    with pytest.raises(ValueError, match="num_microbatches=4"):
-        call(mesh=mesh, num_microbatches=4)   # 8 rows cannot split into 4 x data=4
-    with pytest.raises(ValueError, match="must both be"):
-        call(mesh=mesh, batch={"inputs": batch["inputs"], "targets": batch["targets"][:, :-1]})
-    with pytest.raises(ValueError, match="schedule='zb' is unknown"):
-        call(mesh=mesh, schedule="zb")
+def _pipelined(cfg, aux_weight, params, batch, **parallel):
+    """(loss, metrics, grads) of the pipeline gradient source on 8 simulated devices, its per-device gradients
+    averaged over 'data' (what every updater does first)."""
+    overrides = {"train.global_batch": cfg.train.global_batch, "train.seq_len": cfg.train.seq_len,
+                 "model.moe.aux_loss_weight": aux_weight, **parallel}
+    overrides.update({f"model.{f}": getattr(cfg.model, f) for f in ("hidden", "num_heads", "num_kv_heads",
+                      "num_layers", "num_dense_layers", "dense_ffn", "tie_embeddings")})
+    overrides.update({"model.moe.expert_ffn": cfg.model.moe.expert_ffn, "train.remat": cfg.train.remat,
+                      "train.compute_dtype": cfg.train.compute_dtype, "model.moe.balance_group_size": 1,
+                      "model.moe.z_loss_weight": cfg.model.moe.z_loss_weight})
+    devices = parallel["parallel.data"] * parallel["parallel.pipe"] * parallel["parallel.intra"]
+    trainer = step.build(default_config("tiny_cpu", num_devices=devices, **overrides), jax.devices()[:devices])
+    source = step.gradient_source(trainer)
+
+    def body(p, b):
+        loss, metrics, grads = source(p, b)
+        return loss, metrics, jax.tree.map(lambda g: lax.pmean(g, DATA), grads)
+
+    specs = trainer.param_specs
+    run = jax.jit(jax.shard_map(body, mesh=trainer.mesh, in_specs=(specs, trainer.plan.batch_spec()),
+                                out_specs=(P(), P(), specs)))
+    params = jax.device_put(params, trainer.state_shardings["params"])
+    batch = jax.device_put(batch, trainer.batch_sharding())
+    return run(params, batch)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"parallel.data": 2, "parallel.pipe": 2, "parallel.intra": 2, "parallel.plan": "xla"}, "needs config.parallel.plan='manual'"),
+    ({"parallel.data": 4, "parallel.pipe": 2, "train.microbatches": 4}, "train.microbatches x data = 4 x 4"),
+    ({"parallel.pipe": 2, "parallel.pipeline_schedule": "zb"}, "pipeline_schedule='zb'"),
+])
+def test_errors_name_the_argument(overrides, needle):
+    """Bad pipeline arguments are config errors before anything is traced."""
+    with pytest.raises(ConfigError, match=needle):
+        default_config("tiny_cpu", num_devices=8, **{**SMALL, **overrides})
 
 
 def test_bubble_report():
-    report = bubble_report("interleaved", 4, 8, 2)
+    report = schedule_summary("interleaved", 4, 8, 2)
     assert report["bubble_fraction_formula"] == pytest.approx(3 / 19)
     assert report["bubble_fraction_counted"] == pytest.approx(report["bubble_fraction_formula"])

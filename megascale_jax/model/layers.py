@@ -1,4 +1,5 @@
-"""Small building blocks: parameters with logical axes, RMSNorm, RoPE, embedding, dense SwiGLU MLP."""
+"""Small building blocks: parameters with logical axes, RMSNorm, RoPE, embedding, output logits, cross-entropy,
+dense SwiGLU MLP."""
 from __future__ import annotations
 
 import jax
@@ -7,17 +8,20 @@ from flax import nnx
 
 
 def param(rngs: nnx.Rngs, shape, axes: tuple[str | None, ...], dtype, scale: float | None = None) -> nnx.Param:
-    """A truncated-normal parameter with std 1/sqrt(fan_in) (fan_in = first dim unless `scale` is given)."""
+    """A truncated-normal parameter with std 1/sqrt(fan_in) (fan_in = first dim unless `scale` is given).
+
+    Logical axes only, never a sharding at creation (eager_sharding=False): creating a module needs no mesh;
+    megascale_jax/step.py creates the state with its shardings by jitting the initializer."""
     std = scale if scale is not None else shape[-2 if len(shape) > 1 else 0] ** -0.5
     value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
-    return nnx.Param(value.astype(dtype), out_sharding=axes)
+    return nnx.Param(value.astype(dtype), out_sharding=axes, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
     """RMSNorm computed in float32 (cheap, and bf16 variance loses precision), output in the input dtype."""
 
     def __init__(self, dim: int, eps: float, param_dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("embed",))
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("embed",), eager_sharding=False)
         self.eps = eps
 
     def __call__(self, x):
@@ -59,6 +63,14 @@ def output_logits(equation: str, x_BSD, w):
     rate; the 2-H200 profiles (benchmarks/results/plans_2xh200.json) showed them as the largest kernels
     after the expert GEMMs (DeepSeek-like: 17-22 ms of a 100-120 ms step)."""
     return jnp.einsum(equation, x_BSD, w.astype(x_BSD.dtype)).astype(jnp.float32)
+
+
+def cross_entropy(logits_BSV, targets_BS):
+    """Mean token cross-entropy in float32 over the tokens given (this device's, when per device)."""
+    logits = logits_BSV.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets_BS[..., None], axis=-1)[..., 0]
+    return jnp.mean(log_z - target_logit)
 
 
 class DenseMLP(nnx.Module):

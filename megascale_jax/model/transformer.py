@@ -1,4 +1,13 @@
-"""Decoder-only MoE transformer: embed -> [dense blocks] -> MoE blocks -> norm -> logits.
+"""Decoder-only MoE transformer, written as the stages every execution path composes:
+
+    embed       token embedding + the leading dense blocks     (a pipeline's first stage)
+    blocks      the scanned MoE stack                           (split over a pipeline's stages)
+    head_loss   final norm + output logits + cross-entropy     (a pipeline's last stage)
+
+`loss` composes them for the plain path; the pipeline (megascale_jax/gradients.py) calls the same methods
+on its parts of the state, and each block through `scan_body`, the one place remat is applied. Losses
+follow one convention: every value a stage returns is the global mean over the batch, reduced by the
+layout's reductions (identity in the global view, over the mesh when running per device).
 
 Blocks of one kind are stacked (leading 'layers' axis on every parameter) and run with `jax.lax.scan`, so
 compile time does not grow with depth. Remat of the scanned block follows `remat`:
@@ -9,28 +18,50 @@ compile time does not grow with depth. Remat of the scanned block follows `remat
 """
 from __future__ import annotations
 
+import dataclasses
+from enum import StrEnum
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megascale_jax.model.attention import Attention
-from megascale_jax.model.layers import DenseMLP, Embedding, RMSNorm, output_logits, param
+from megascale_jax.model.attention import ATTENTIONS
+from megascale_jax.model.layers import DenseMLP, Embedding, RMSNorm, cross_entropy, output_logits, param
 from megascale_jax.model.moe.layer import MoEFFN
 
-_STAT_KEYS = ("aux_loss", "z_loss", "tokens_per_expert", "dropped_tokens")
+
+class Remat(StrEnum):
+    NONE = "none"
+    FULL = "full"
+    SELECTIVE = "selective"
+
+
+REMAT_POLICIES = {
+    Remat.NONE: None,
+    Remat.FULL: jax.checkpoint_policies.nothing_saveable,
+    Remat.SELECTIVE: jax.checkpoint_policies.save_only_these_names("qkv", "attn_core", "expert_out"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Resolved kernel implementations (never 'auto'): attention core and expert grouped GEMM."""
+    attention: str = "xla"        # model/attention.py AttentionImpl
+    grouped_gemm: str = "xla"     # model/moe/experts.py GroupedGemmImpl
 
 
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is dense or MoE."""
 
-    def __init__(self, cfg, moe: bool, group_size: int, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, moe: bool, param_dtype, kernels: Kernels, rngs: nnx.Rngs):
         m = cfg
         self.attn_norm = RMSNorm(m.hidden, m.norm_eps, param_dtype)
-        self.attn = Attention(m.hidden, m.num_heads, m.num_kv_heads, m.rope_theta, param_dtype, rngs)
+        self.attn = ATTENTIONS[m.attention_kind](m.hidden, m.num_heads, m.num_kv_heads, m.rope_theta, param_dtype,
+                                                 rngs, implementation=kernels.attention)
         self.ffn_norm = RMSNorm(m.hidden, m.norm_eps, param_dtype)
         self.is_moe = moe
         if moe:
-            self.ffn = MoEFFN(m.hidden, m.moe, group_size, param_dtype, rngs)
+            self.ffn = MoEFFN(m.hidden, m.moe, param_dtype, rngs, grouped_gemm=kernels.grouped_gemm)
         else:
             self.ffn = DenseMLP(m.hidden, m.dense_ffn, param_dtype, rngs)
 
@@ -39,19 +70,19 @@ class Block(nnx.Module):
         # collectives to components by them.
         kind = "moe_block" if self.is_moe else "dense_block"
         with jax.named_scope(f"{kind}/attention"):
-            x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), layout)
+            x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), layout.attention)
         with jax.named_scope(f"{kind}/ffn"):
             h = self.ffn_norm(x_BSD)
             if self.is_moe:
                 y, stats = self.ffn(h, layout)
             else:
-                h = layout.ffn_input(h)
-                y = layout.ffn_output(self.ffn(h.reshape(-1, h.shape[-1])).reshape(h.shape))
+                h = layout.ffn.ffn_input(h)
+                y = layout.ffn.ffn_output(self.ffn(h.reshape(-1, h.shape[-1])).reshape(h.shape))
                 stats = None
         return x_BSD + y, stats
 
 
-def _stacked_blocks(cfg, count: int, moe: bool, group_size: int, param_dtype, rngs: nnx.Rngs):
+def _stacked_blocks(cfg, count: int, moe: bool, param_dtype, kernels: Kernels, rngs: nnx.Rngs):
     """`count` blocks with parameters stacked on a leading axis (None when count == 0): logical 'layers' for
     the MoE stack (sharded over 'pipe' when a pipeline holds it), 'dense_layers' for the leading dense stack
     (which the first pipeline stage holds whole)."""
@@ -62,51 +93,79 @@ def _stacked_blocks(cfg, count: int, moe: bool, group_size: int, param_dtype, rn
     @nnx.vmap(in_axes=(0,), out_axes=0,
               transform_metadata={nnx.PARTITION_NAME: "layers" if moe else "dense_layers"})
     def create(rngs):
-        return Block(cfg, moe, group_size, param_dtype, rngs)
+        return Block(cfg, moe, param_dtype, kernels, rngs)
 
     return create(rngs)
 
 
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "selective": jax.checkpoint_policies.save_only_these_names("qkv", "attn_core", "expert_out"),
-}
-
-
-def run_stack(blocks, x_BSD, layout, remat: str):
-    """Scans x through stacked blocks; returns x and per-layer stats stacked on a leading axis."""
-    graphdef, state = nnx.split(blocks)
+def scan_body(stack: nnx.Module, layout, remat: str):
+    """(body(x, layer_state) -> (x, stats), the stack's state): one block of a stacked stack, with the remat
+    policy applied. The one place remat is applied: the plain scan and the pipeline's layers both use it."""
+    graphdef, state = nnx.split(stack)   # a stacked Block's graph merges with one layer's state
 
     def body(x, layer_state):
-        y, stats = nnx.merge(graphdef, layer_state)(x, layout)
-        return y, stats
+        return nnx.merge(graphdef, layer_state)(x, layout)
 
-    if remat != "none":
+    if remat != Remat.NONE:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, x_BSD, state)
+    return body, state
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg, *, param_dtype, compute_dtype, group_size: int, remat: str, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, param_dtype, compute_dtype, remat: str, kernels: Kernels = Kernels(),
+                 rngs: nnx.Rngs):
+        """cfg: a resolved ModelConfig. kernels: resolved implementations (megascale_jax/step.py picks them)."""
         m = cfg
         self.cfg, self.compute_dtype, self.remat = m, compute_dtype, remat
-        self.embed = Embedding(m.vocab_size, m.hidden, param_dtype, rngs)
-        self.dense_blocks = _stacked_blocks(m, m.num_dense_layers, False, group_size, param_dtype, rngs)
-        self.moe_blocks = _stacked_blocks(m, m.num_moe_layers, True, group_size, param_dtype, rngs)
+        self.embed_tokens = Embedding(m.vocab_size, m.hidden, param_dtype, rngs)
+        self.dense_blocks = _stacked_blocks(m, m.num_dense_layers, False, param_dtype, kernels, rngs)
+        self.moe_blocks = _stacked_blocks(m, m.num_moe_layers, True, param_dtype, kernels, rngs)
         self.final_norm = RMSNorm(m.hidden, m.norm_eps, param_dtype)
         if not m.tie_embeddings:
             self.head_DV = param(rngs, (m.hidden, m.vocab_size), ("embed", "vocab"), param_dtype)
 
+    # ------------------------------------------------------------------ stages
+    def embed(self, tokens_BS, layout):
+        """Token embedding, then the leading dense blocks (stage 0 of a pipeline holds them whole)."""
+        x = self.embed_tokens(tokens_BS, self.compute_dtype)
+        if self.dense_blocks is not None:
+            body, state = scan_body(self.dense_blocks, layout, self.remat)
+            x, _ = jax.lax.scan(body, x, state)
+        return x
+
+    def blocks(self, x_BSD, layout):
+        """The MoE stack; returns x and per-layer stats stacked on a leading [layers] axis."""
+        body, state = scan_body(self.moe_blocks, layout, self.remat)
+        return jax.lax.scan(body, x_BSD, state)
+
+    def logits(self, x_BSD):
+        """Final norm and output head -> float32 logits."""
+        x_BSD = self.final_norm(x_BSD)
+        if self.cfg.tie_embeddings:
+            return self.embed_tokens.attend(x_BSD)
+        return output_logits("bsd,dv->bsv", x_BSD, self.head_DV[...])
+
+    def head_loss(self, x_BSD, targets_BS, layout):
+        """Mean token cross-entropy over the whole batch (on every device)."""
+        return layout.reductions.token_mean(cross_entropy(self.logits(x_BSD), targets_BS))
+
+    def moe_loss(self, stats):
+        """aux_w * aux + z_w * z, per layer (or averaged over a leading layers axis)."""
+        e = self.cfg.moe
+        return e.aux_loss_weight * jnp.mean(stats["aux_loss"]) + e.z_loss_weight * jnp.mean(stats["z_loss"])
+
+    # ------------------------------------------------------------------ compositions
     def __call__(self, tokens_BS, layout):
         """Returns (logits_BSV float32, stats); stats['tokens_per_expert'] is [moe_layers, E]."""
-        x = self.embed(tokens_BS, self.compute_dtype)
-        if self.dense_blocks is not None:
-            x, _ = run_stack(self.dense_blocks, x, layout, self.remat)
-        x, stats = run_stack(self.moe_blocks, x, layout, self.remat)
-        x = self.final_norm(x)
-        if self.cfg.tie_embeddings:
-            logits = self.embed.attend(x)
-        else:
-            logits = output_logits("bsd,dv->bsv", x, self.head_DV[...])
-        return logits, stats
+        x, stats = self.blocks(self.embed(tokens_BS, layout), layout)
+        return self.logits(x), stats
+
+    def loss(self, batch, layout):
+        """(total loss, metrics): ce + weighted MoE losses; metrics ce, aux_loss, z_loss (layer means),
+        tokens_per_expert [layers, E] and dropped_tokens summed over the batch. Global on every device."""
+        x, stats = self.blocks(self.embed(batch["inputs"], layout), layout)
+        ce = self.head_loss(x, batch["targets"], layout)
+        metrics = {"ce": ce, "aux_loss": jnp.mean(stats["aux_loss"]), "z_loss": jnp.mean(stats["z_loss"]),
+                   "tokens_per_expert": layout.reductions.batch_sum(stats["tokens_per_expert"]),
+                   "dropped_tokens": layout.reductions.device_sum(jnp.sum(stats["dropped_tokens"]))}
+        return ce + self.moe_loss(stats), metrics

@@ -17,22 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+# The one home of the jax-version detail "which mesh axes does a value vary along" is the kernels' package
+# (it sits below this one); re-exported here for the rest of megascale_jax.
+from pallas_kernels.varying import vary_like, varying_axes  # noqa: F401
+
 # ----------------------------------------------------------------------------------------------------------
 # Ulysses sequence parallelism (attention)
 # ----------------------------------------------------------------------------------------------------------
-
-
-def varying_axes(x) -> frozenset:
-    """Mesh axes along which x differs between devices inside shard_map (its vma type; empty outside).
-
-    The one place that reads it: jax 0.11 keeps it in `jax.typeof(x).mat.varying`, later versions in `.vma`.
-    (pallas_kernels/grouped_gemm.py has its own copy: kernels sit below this package.)
-    """
-    aval = jax.typeof(x)
-    if hasattr(aval, "vma"):
-        return frozenset(aval.vma)
-    mat = getattr(aval, "mat", None)
-    return frozenset(mat.varying) if mat is not None else frozenset()
 
 
 def _require_divisible(size: int, n: int, what: str, fix: str) -> None:

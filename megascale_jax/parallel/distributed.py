@@ -11,8 +11,6 @@ import dataclasses
 import os
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 _SLURM_TASKS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
 
@@ -80,38 +78,3 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if verbose:
         print(info.describe(), flush=True)
     return info
-
-
-def process_batch_slice(global_batch: int, mesh: jax.sharding.Mesh, spec: P) -> slice:
-    """Rows of the global batch (dimension 0, sharded as `spec[0]`) that THIS process must load.
-
-    Raises ValueError if the rows are not one contiguous range (a mesh whose device order interleaves
-    processes along the batch axes); reorder the mesh so each process holds neighbouring shards.
-    """
-    batch_spec = P(spec[0] if len(spec) else None)
-    index_map = NamedSharding(mesh, batch_spec).addressable_devices_indices_map((global_batch,))
-    rows = set()
-    for index in index_map.values():
-        rows.update(range(*index[0].indices(global_batch)))
-    start, stop = min(rows), max(rows) + 1
-    if len(rows) != stop - start:
-        raise ValueError(f"process {jax.process_index()} holds non-contiguous batch rows under spec={spec}; "
-                         f"order the mesh devices so each process owns neighbouring data shards")
-    return slice(start, stop)
-
-
-def data_parallel_ranks(mesh: jax.sharding.Mesh, axis: str) -> range:
-    """Indices along mesh axis `axis` held by this process's devices (one contiguous range)."""
-    if axis not in mesh.shape:
-        raise ValueError(f"axis={axis!r} not in mesh axes {tuple(mesh.shape)}")
-    axis_pos = list(mesh.axis_names).index(axis)
-    local = {d.id for d in jax.local_devices()}
-    ranks = sorted({idx[axis_pos] for idx, d in np.ndenumerate(mesh.devices) if d.id in local})
-    if ranks != list(range(ranks[0], ranks[-1] + 1)):
-        raise ValueError(f"process {jax.process_index()} holds non-contiguous {axis!r} ranks {ranks}")
-    return range(ranks[0], ranks[-1] + 1)
-
-
-def make_global_array(local_data, mesh: jax.sharding.Mesh, spec: P, global_shape: tuple[int, ...] | None = None):
-    """Global array sharded as `spec` from this process's rows (those of `process_batch_slice`)."""
-    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), np.asarray(local_data), global_shape)

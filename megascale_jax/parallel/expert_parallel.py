@@ -1,4 +1,10 @@
-"""Expert-parallel MoE FFN over the n ranks of one mesh axis (called inside a `jax.shard_map` body).
+"""Token dispatch and combine for the MoE FFN: the local sort (n = 1) and expert parallelism over the n
+ranks of one mesh axis (called inside a `jax.shard_map` body).
+
+Each mode is a pair `dispatch_*(x_TD, expert_idx_TK, ...) -> (x_MD, group_sizes, residual)` and
+`combine_*(y_MD, residual, weight_TK, ...) -> y_TD`, so the experts between them are the caller's (the MoE
+layer's, with explicit weights; a fused kernel may take over the first or last GEMM). The dispatchers in
+parallel/layouts.py wrap these pairs; `expert_parallel_ffn` composes one pair with an experts function.
 
 Layout: rank r holds the G = E/n whole experts [r*G, (r+1)*G) and its own T tokens (sequence-sharded).
 Two dispatch paths that compute the same thing (the test checks they agree with `moe_ffn_reference`):
@@ -23,7 +29,7 @@ capacity_factor trades that for counted drops.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +62,14 @@ def expert_parallel_ffn(x_TD, expert_idx_TK, weight_TK, local_experts_fn: LocalE
     n = lax.axis_size(axis)
     capacity = _validate(x_TD, expert_idx_TK, weight_TK, n, num_experts, dispatch, capacity_factor)
     if dispatch == "all_to_all":
-        return _ffn_all_to_all(x_TD, expert_idx_TK, weight_TK, local_experts_fn, axis, n, num_experts, capacity)
-    return _ffn_all_gather(x_TD, expert_idx_TK, weight_TK, local_experts_fn, axis, n, num_experts)
+        x_MD, group_sizes, residual = dispatch_all_to_all(x_TD, expert_idx_TK, axis=axis, num_experts=num_experts,
+                                                          capacity=capacity)
+        y_TD = combine_all_to_all(local_experts_fn(x_MD, group_sizes), residual, weight_TK, axis=axis)
+    else:
+        x_MD, group_sizes, residual = dispatch_all_gather(x_TD, expert_idx_TK, axis=axis, num_experts=num_experts)
+        y_TD = combine_all_gather(local_experts_fn(x_MD, group_sizes), residual, weight_TK, axis=axis)
+    stats = {"dropped_tokens": residual.dropped_tokens, "tokens_per_expert": residual.tokens_per_expert}
+    return y_TD.astype(x_TD.dtype), stats
 
 
 def _validate(x_TD, expert_idx_TK, weight_TK, n, num_experts, dispatch, capacity_factor) -> int:
@@ -143,18 +155,82 @@ def _exclusive_cumsum(counts):
     return jnp.cumsum(counts) - counts
 
 
+def sort_assignments(expert_idx_TK, num_experts: int):
+    """The one argsort of routed assignments: (expert_A with invalid ids as E, order_A, counts_E).
+
+    A = T*K assignments (token-major, a = t*K + k). order_A lists them by expert, token order kept inside
+    an expert (stable), invalid ids last; counts_E counts the valid ones per expert."""
+    expert_A = _sentinel_invalid(expert_idx_TK.reshape(-1), num_experts)
+    order_A = jnp.argsort(expert_A, stable=True)
+    counts_E = jnp.bincount(expert_A, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    return expert_A, order_A, counts_E
+
+
+def weighted_sum_over_k(y_AD, kept_A, weight_TK):
+    """The one combine: y_TD = sum_k weight[t, k] * y[t*K + k], in fp32; rows not kept contribute 0."""
+    num_tokens, top_k = weight_TK.shape
+    y_TKD = jnp.where(kept_A[:, None], y_AD, 0).reshape(num_tokens, top_k, -1)
+    return jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weight_TK.astype(jnp.float32))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# n = 1: the local sort (one device, the XLA plan, TP experts on gathered tokens)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class LocalResidual(NamedTuple):
+    order_A: jax.Array          # assignment of each sorted row
+    kept_A: jax.Array           # valid expert id (invalid ids are dropped and counted)
+    dropped_tokens: jax.Array
+    tokens_per_expert: jax.Array
+
+
+def dispatch_local(x_TD, expert_idx_TK, *, num_experts: int, capacity: int | None = None):
+    """Rows of x repeated per assignment, ordered by expert: (x_MD with M = T*K, group_sizes_E, residual).
+
+    capacity: keep only the first `capacity` rows in expert order (the all_to_all dispatch at n = 1: its
+    one destination holds ceil(c*T*K) rows), the rest dropped and counted; None is dropless. Rows past
+    sum(group_sizes) are junk the combine ignores."""
+    top_k = expert_idx_TK.shape[-1]
+    expert_A, order_A, counts_E = sort_assignments(expert_idx_TK, num_experts)
+    kept_E = counts_E if capacity is None else _clip_cumulative(counts_E, capacity)
+    kept_A = expert_A < num_experts
+    if capacity is not None:
+        kept_A = kept_A & (_inverse_permutation(order_A) < capacity)
+    dropped = (expert_A.shape[0] - kept_E.sum()).astype(jnp.int32)
+    return x_TD[order_A // top_k], kept_E, LocalResidual(order_A, kept_A, dropped, counts_E)
+
+
+def combine_local(y_MD, residual: LocalResidual, weight_TK):
+    """Inverse of `dispatch_local` (a gather, not a scatter), then the weighted sum over k; x's dtype."""
+    y_AD = y_MD[_inverse_permutation(residual.order_A)]
+    return weighted_sum_over_k(y_AD, residual.kept_A, weight_TK).astype(y_MD.dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # all_to_all dispatch
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _ffn_all_to_all(x_TD, expert_idx_TK, weight_TK, local_experts_fn, axis, n, num_experts, capacity):
+class AllToAllResidual(NamedTuple):
+    perm_R: jax.Array           # received row -> sorted row order (by local expert, then source rank)
+    valid_R: jax.Array          # received row holds a token (not padding)
+    slot_A: jax.Array           # where assignment a sits in the returned [n*C] buffer
+    kept_A: jax.Array           # assignment a was sent (not dropped)
+    dropped_tokens: jax.Array
+    tokens_per_expert: jax.Array
+
+
+def dispatch_all_to_all(x_TD, expert_idx_TK, *, axis, num_experts: int, capacity: int):
+    """Sender packs (token, k) rows per destination rank, ordered by expert; one all_to_all; the receiver
+    orders what arrived by local expert, then source rank (the paper's order).
+
+    Returns (x_RD with R = n*C rows sorted by local expert, padding last; group_sizes_G; residual)."""
     num_tokens, top_k = expert_idx_TK.shape
+    n = lax.axis_size(axis)
     num_local = num_experts // n
-    expert_A = _sentinel_invalid(expert_idx_TK.reshape(-1), num_experts)
     # Sorting by global expert groups rows by destination rank, then by local expert, tokens in order.
-    order_A = jnp.argsort(expert_A, stable=True)
-    counts_E = jnp.bincount(expert_A, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    expert_A, order_A, counts_E = sort_assignments(expert_idx_TK, num_experts)
     counts_NG = counts_E.reshape(n, num_local)
     kept_NG = _clip_cumulative(counts_NG, capacity)
     kept_N = kept_NG.sum(axis=1)
@@ -168,48 +244,41 @@ def _ffn_all_to_all(x_TD, expert_idx_TK, weight_TK, local_experts_fn, axis, n, n
 
     recv_counts_NG = collectives.exchange_counts(kept_NG, axis)
     x_recv_NCD = collectives.exchange_tokens(x_send_NCD, axis)
-    y_recv_NCD = _run_experts_on_received(x_recv_NCD, recv_counts_NG, local_experts_fn)
-    y_back_NCD = collectives.exchange_tokens(y_recv_NCD, axis)
+    perm_R, valid_R, group_sizes_G = _receiver_order(recv_counts_NG, capacity)
+    x_sorted_RD = x_recv_NCD.reshape(n * capacity, -1)[perm_R]
 
-    # Where each (token, k) row sits in the returned buffers.
+    # Where each (token, k) row will sit in the returned buffers.
     dest_A = expert_A // num_local  # n for invalid ids
     pos_A = _inverse_permutation(order_A) - dest_start_N[jnp.minimum(dest_A, n - 1)]
     kept_A = (dest_A < n) & (pos_A < capacity)
     slot_A = jnp.where(kept_A, dest_A * capacity + pos_A, 0)
-    y_AD = y_back_NCD.reshape(n * capacity, -1)[slot_A]
-    y_TKD = jnp.where(kept_A[:, None], y_AD, 0).reshape(num_tokens, top_k, -1)
-    y_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weight_TK.astype(jnp.float32))
-
-    stats = {
-        "dropped_tokens": (expert_A.shape[0] - kept_N.sum()).astype(jnp.int32),
-        "tokens_per_expert": collectives.sum_over(counts_E, axis),
-    }
-    return y_TD.astype(x_TD.dtype), stats
+    residual = AllToAllResidual(perm_R, valid_R, slot_A, kept_A,
+                                (expert_A.shape[0] - kept_N.sum()).astype(jnp.int32),
+                                collectives.sum_over(counts_E, axis))
+    return x_sorted_RD, group_sizes_G, residual
 
 
-def _run_experts_on_received(x_recv_NCD, recv_counts_NG, local_experts_fn):
-    """Orders received rows by local expert, then source rank; runs the experts; returns rows in place.
-
-    Block s of x_recv_NCD holds, in its first sum(recv_counts_NG[s]) rows, source s's rows for local
-    experts 0..G-1 in order; the rest is padding (zeros) and comes back as zeros.
-    """
-    n, capacity, _ = x_recv_NCD.shape
-    num_local = recv_counts_NG.shape[1]
+def _receiver_order(recv_counts_NG, capacity: int):
+    """Block s of the received [n, C] buffer holds, in its first sum(recv_counts_NG[s]) rows, source s's
+    rows for local experts 0..G-1 in order; the rest is padding. Returns the permutation that sorts rows by
+    (local expert, source), which rows are real, and the group sizes."""
+    n, num_local = recv_counts_NG.shape
     ends_NG = jnp.cumsum(recv_counts_NG, axis=1)
     slot_C = jnp.arange(capacity, dtype=ends_NG.dtype)
-    # Local expert of each received row; G marks padding.
-    expert_NC = jax.vmap(lambda ends_G: jnp.searchsorted(ends_G, slot_C, side="right"))(ends_NG)
-    source_N = jnp.arange(n)
-    sort_key_R = (expert_NC * n + source_N[:, None]).reshape(-1)
+    expert_NC = jax.vmap(lambda ends_G: jnp.searchsorted(ends_G, slot_C, side="right"))(ends_NG)  # G = padding
+    sort_key_R = (expert_NC * n + jnp.arange(n)[:, None]).reshape(-1)
     perm_R = jnp.argsort(sort_key_R, stable=True)
+    return perm_R, (expert_NC < num_local).reshape(-1), recv_counts_NG.sum(axis=0).astype(jnp.int32)
 
-    x_sorted_RD = x_recv_NCD.reshape(n * capacity, -1)[perm_R]
-    group_sizes_G = recv_counts_NG.sum(axis=0).astype(jnp.int32)
-    y_sorted_RD = local_experts_fn(x_sorted_RD, group_sizes_G)
-    y_recv_RD = y_sorted_RD[_inverse_permutation(perm_R)]
-    valid_R = (expert_NC < num_local).reshape(-1)
-    y_recv_RD = jnp.where(valid_R[:, None], y_recv_RD, 0).astype(x_recv_NCD.dtype)
-    return y_recv_RD.reshape(x_recv_NCD.shape[:2] + y_recv_RD.shape[1:])
+
+def combine_all_to_all(y_sorted_RD, residual: AllToAllResidual, weight_TK, *, axis):
+    """Rows back to their source ranks (the mirror all_to_all), then the sender's weighted sum over k."""
+    n = lax.axis_size(axis)
+    y_recv_RD = jnp.where(residual.valid_R[:, None], y_sorted_RD[_inverse_permutation(residual.perm_R)], 0)
+    y_back_NCD = collectives.exchange_tokens(y_recv_RD.astype(y_sorted_RD.dtype).reshape(n, -1, y_recv_RD.shape[-1]),
+                                             axis)
+    y_AD = y_back_NCD.reshape(-1, y_back_NCD.shape[-1])[residual.slot_A]
+    return weighted_sum_over_k(y_AD, residual.kept_A, weight_TK).astype(y_sorted_RD.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -217,12 +286,21 @@ def _run_experts_on_received(x_recv_NCD, recv_counts_NG, local_experts_fn):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _ffn_all_gather(x_TD, expert_idx_TK, weight_TK, local_experts_fn, axis, n, num_experts):
+class AllGatherResidual(NamedTuple):
+    row_M: jax.Array            # gathered assignment of each sorted row
+    valid_M: jax.Array          # sorted row is real (not past the group sizes)
+    dropped_tokens: jax.Array
+    tokens_per_expert: jax.Array
+
+
+def dispatch_all_gather(x_TD, expert_idx_TK, *, axis, num_experts: int):
+    """All-gather tokens and routing, keep the rows routed to this rank's experts, sorted by expert
+    (stably, so source order is kept). Returns (x_MD, group_sizes_G, residual)."""
     num_tokens, top_k = expert_idx_TK.shape
+    n = lax.axis_size(axis)
     num_local = num_experts // n
     x_all_RD = collectives.gather_tokens(x_TD, axis)  # R = n*T tokens, rank-major
     expert_all_A = _sentinel_invalid(collectives.gather_tokens(expert_idx_TK, axis).reshape(-1), num_experts)
-    weight_all_A = collectives.gather_tokens(weight_TK, axis).reshape(-1)
 
     local_A = expert_all_A - lax.axis_index(axis) * num_local
     is_local_A = (local_A >= 0) & (local_A < num_local)
@@ -234,24 +312,24 @@ def _ffn_all_gather(x_TD, expert_idx_TK, weight_TK, local_experts_fn, axis, n, n
 
     row_M = order_A[:max_rows]
     valid_M = jnp.arange(max_rows) < group_sizes_G.sum()
-    token_M = row_M // top_k
-    x_sorted_MD = jnp.where(valid_M[:, None], x_all_RD[token_M], 0).astype(x_TD.dtype)
-    y_sorted_MD = local_experts_fn(x_sorted_MD, group_sizes_G)
-
-    weight_M = jnp.where(valid_M, weight_all_A[row_M].astype(jnp.float32), 0)
-    contrib_MD = y_sorted_MD.astype(jnp.float32) * weight_M[:, None]
-    contrib_MD = jnp.where(valid_M[:, None], contrib_MD, 0)  # padding outputs may be anything
-    y_all_RD = jnp.zeros(x_all_RD.shape, jnp.float32).at[token_M].add(contrib_MD)
-    # Cast before the reduce-scatter: the wire carries activation bytes, as the all_to_all path does.
-    y_TD = collectives.scatter_sum_tokens(y_all_RD.astype(x_TD.dtype), axis)
-
+    x_sorted_MD = jnp.where(valid_M[:, None], x_all_RD[row_M // top_k], 0).astype(x_TD.dtype)
     own_expert_A = _sentinel_invalid(expert_idx_TK.reshape(-1), num_experts)
-    stats = {
-        "dropped_tokens": (counts_G.sum() - group_sizes_G.sum()
-                           + jnp.sum(own_expert_A == num_experts)).astype(jnp.int32),
-        "tokens_per_expert": jnp.bincount(expert_all_A, length=num_experts + 1)[:num_experts].astype(jnp.int32),
-    }
-    return y_TD, stats
+    dropped = (counts_G.sum() - group_sizes_G.sum() + jnp.sum(own_expert_A == num_experts)).astype(jnp.int32)
+    tokens_per_expert = jnp.bincount(expert_all_A, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    return x_sorted_MD, group_sizes_G, AllGatherResidual(row_M, valid_M, dropped, tokens_per_expert)
+
+
+def combine_all_gather(y_sorted_MD, residual: AllGatherResidual, weight_TK, *, axis):
+    """Weight and sum the rows per gathered token into [n*T, D] in fp32, then reduce-scatter to [T, D]."""
+    num_tokens, top_k = weight_TK.shape
+    n = lax.axis_size(axis)
+    weight_all_A = collectives.gather_tokens(weight_TK, axis).reshape(-1)
+    weight_M = jnp.where(residual.valid_M, weight_all_A[residual.row_M].astype(jnp.float32), 0)
+    contrib_MD = jnp.where(residual.valid_M[:, None], y_sorted_MD.astype(jnp.float32) * weight_M[:, None], 0)
+    y_all_RD = jnp.zeros((n * num_tokens, y_sorted_MD.shape[-1]), jnp.float32).at[residual.row_M // top_k].add(
+        contrib_MD)
+    # Cast before the reduce-scatter: the wire carries activation bytes, as the all_to_all path does.
+    return collectives.scatter_sum_tokens(y_all_RD.astype(y_sorted_MD.dtype), axis)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -19,15 +19,20 @@ All functions whose docstring says "inside shard_map" must be traced inside ``ja
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from enum import StrEnum
 
 import jax
 import jax.flatten_util
 import jax.numpy as jnp
-import optax
 from jax import lax
 
-GRAD_COMM_MODES = ("fp32", "bf16", "fp8")
+class GradComm(StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP8 = "fp8"
+
+
+GRAD_COMM_MODES = tuple(m.value for m in GradComm)
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 
@@ -171,36 +176,8 @@ def all_reduce_gradients(grads, *, axis: AxisName, mode: str, block_size: int = 
     return unravel(full)
 
 
-def dp_gradient_reduction(axis: AxisName, mode: str, block_size: int = 128,
-                          mean: bool = True) -> optax.GradientTransformation:
-    """The optax-compatible piece for plain (replicated-state) DP, used INSIDE shard_map:
-
-        tx = optax.chain(dp_gradient_reduction('data', 'bf16'), optax.adamw(1e-3))
-
-    Each rank passes its local gradient; the transformation hands the DP-mean (or sum) to the rest of the
-    chain, so clipping and the optimizer see the global gradient. Stateless. For ZeRO-1 (sharded optimizer
-    state) use `megascale_jax.parallel.zero.Zero1`, which calls `reduce_scatter_gradients` directly: a
-    GradientTransformation must return updates shaped like the params, which a 1/dp slice is not.
-    """
-    _check_mode(mode)
-    _check_block_size(block_size)
-
-    def update(updates, state, params=None):
-        del params
-        return all_reduce_gradients(updates, axis=axis, mode=mode, block_size=block_size, mean=mean), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-
-
-def relative_error(approx: Sequence[float] | jax.Array, reference) -> float:
-    """||approx - reference||_2 / ||reference||_2, for reporting compression error."""
-    approx = jnp.asarray(approx, jnp.float32)
-    reference = jnp.asarray(reference, jnp.float32)
-    return float(jnp.linalg.norm(approx - reference) / jnp.maximum(jnp.linalg.norm(reference), 1e-30))
-
-
 __all__ = [
     "GRAD_COMM_MODES", "padded_length", "pad_flat", "wire_bytes", "quantize_fp8_blocks",
     "dequantize_fp8_blocks", "reduce_scatter_gradients", "reduce_scatter_gradients_reference",
-    "all_reduce_gradients", "dp_gradient_reduction", "relative_error",
+    "all_reduce_gradients",
 ]

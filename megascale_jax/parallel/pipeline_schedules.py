@@ -30,12 +30,19 @@ Shape legend: V virtual slots per stage, S stages, M microbatches, C chunks, L l
 from __future__ import annotations
 
 import dataclasses
+from enum import StrEnum
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+class Schedule(StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+
+
+SCHEDULES = tuple(s.value for s in Schedule)
 
 # Per-tick, per-stage integer fields of a schedule table; slot fields hold a buffer row index, where
 # the row one past the last real slot is a scratch ("trash") row written when there is nothing to keep.

@@ -8,11 +8,12 @@ Mesh axes, outermost first (devices of one NVLink domain are adjacent, innermost
 Model code names *logical* axes on its parameters ('experts', 'embed', 'heads', ...); `logical_rules` maps
 them onto these mesh axes, per plan:
   xla     parameters and the batch are annotated, XLA's sharding propagation (Shardy) decides the rest;
-  manual  the model runs inside jax.shard_map with explicit collectives (parallel/layouts.py).
+  manual  the step runs per device inside one jax.shard_map; parallel/layouts.py places the collectives.
 """
 from __future__ import annotations
 
 import dataclasses
+from enum import StrEnum
 
 import jax
 import numpy as np
@@ -22,27 +23,54 @@ DATA, PIPE, INTRA = "data", "pipe", "intra"
 MESH_AXES = (DATA, PIPE, INTRA)
 
 
+class PlanKind(StrEnum):
+    XLA = "xla"          # annotate parameters and the batch; Shardy propagation decides the rest
+    MANUAL = "manual"    # the step runs per device in one shard_map; parallel/layouts.py communicates
+
+
+class AttentionPlan(StrEnum):
+    SP = "sp"    # Ulysses sequence parallelism: all-to-all between sequence- and head-sharded layouts
+    TP = "tp"    # Megatron tensor parallelism (with sequence parallelism): heads sharded in the weights
+
+
+class FFNPlan(StrEnum):
+    EP = "ep"    # expert parallelism: whole experts per rank, tokens exchanged
+    TP = "tp"    # Megatron: every expert's FFN width sharded
+
+
+class EPDispatch(StrEnum):
+    ALL_TO_ALL = "all_to_all"
+    ALL_GATHER = "all_gather"
+    AUTO = "auto"   # resolved by config.py (all_gather above the top-k crossover); never reaches a plan
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelPlan:
     data: int
     pipe: int
     intra: int
-    kind: str = "xla"            # xla | manual
-    attention: str = "sp"        # sp | tp   (manual only)
-    ffn: str = "ep"              # ep | tp   (manual only)
-    dispatch: str = "all_to_all"  # all_to_all | all_gather (resolved, never auto)
+    kind: str = PlanKind.XLA
+    attention: str = AttentionPlan.SP   # manual only
+    ffn: str = FFNPlan.EP               # manual only
+    dispatch: str = EPDispatch.ALL_TO_ALL   # resolved, never auto
     capacity_factor: float = 0.0
     layers_over_pipe: bool = False   # stacked layers sharded in blocks over `pipe` (each stage its own)
 
     @classmethod
     def from_config(cls, cfg) -> "ParallelPlan":
-        from megascale_jax.config import dispatch_mode
-
+        """From a resolved config (config.py resolved the recipe, intra and `auto` dispatch)."""
         p = cfg.parallel
         # Block sharding of the layers matches the stages when every stage holds one contiguous chunk.
-        layers_over_pipe = p.pipe > 1 and p.virtual_stages == 1 and cfg.model.num_moe_layers % p.pipe == 0
-        return cls(p.data, p.pipe, p.intra, p.plan, p.attention, p.ffn, dispatch_mode(cfg),
+        # ZeRO-1 keeps the layers replicated over 'pipe': its flat groups are laid out per intra rank only.
+        layers_over_pipe = (p.pipe > 1 and p.virtual_stages == 1 and cfg.model.num_moe_layers % p.pipe == 0
+                            and p.optimizer_sharding == "none")
+        return cls(p.data, p.pipe, p.intra, p.plan, p.attention, p.ffn, p.ep_dispatch,
                    cfg.model.moe.capacity_factor, layers_over_pipe)
+
+    @property
+    def per_device(self) -> bool:
+        """Whether the step runs per device inside one shard_map (the manual plan, and any pipeline)."""
+        return self.kind == PlanKind.MANUAL or self.pipe > 1
 
     @property
     def num_devices(self) -> int:

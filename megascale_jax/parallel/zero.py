@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from enum import StrEnum
 from typing import Any, Callable
 
 import jax
@@ -58,6 +59,11 @@ def _axis_size_in_mesh(mesh: jax.sharding.Mesh, axis: AxisName) -> int:
     for a in names:
         size *= mesh.shape[a]
     return size
+
+
+class OptimizerSharding(StrEnum):
+    NONE = "none"      # optimizer state sharded like the parameters, replicated over data
+    ZERO1 = "zero1"    # optimizer state sharded over data (this module)
 
 
 SHARED, SHARDED = "shared", "sharded"
@@ -272,22 +278,3 @@ class Zero1:
         clipped = grad_norm >= self.max_grad_norm
         scale = jnp.where(clipped, self.max_grad_norm / grad_norm, 1.0).astype(jnp.float32)
         return jnp.where(clipped, (grad_slice / grad_norm) * self.max_grad_norm, grad_slice), scale
-
-
-def replicated_twin(zero: Zero1) -> optax.GradientTransformation:
-    """The plain-DP optimizer that ZeRO-1 must match: clip by global norm, then the inner optimizer,
-    applied to the full (already DP-averaged) gradient with replicated state."""
-    if zero.max_grad_norm is None:
-        return zero.optimizer
-    return optax.chain(optax.clip_by_global_norm(zero.max_grad_norm), zero.optimizer)
-
-
-def per_device_bytes(tree) -> int:
-    """Bytes that ONE device (the first one) holds of a pytree of jax Arrays: shards, not global sizes."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        if not isinstance(leaf, jax.Array):
-            continue
-        device = min(leaf.sharding.addressable_devices, key=lambda d: d.id)
-        total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
-    return total

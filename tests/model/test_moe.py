@@ -6,10 +6,10 @@ import pytest
 from flax import nnx
 
 from megascale_jax.config import default_config
-from megascale_jax.model.layout import LocalLayout
-from megascale_jax.model.moe.dispatch import sort_by_expert, unsort_and_combine
 from megascale_jax.model.moe.layer import MoEFFN
 from megascale_jax.model.moe.router import balance_loss, route
+from megascale_jax.parallel.expert_parallel import combine_local, dispatch_local
+from megascale_jax.parallel.layouts import local_layout
 
 
 def _naive_moe(layer, x_TD):
@@ -39,9 +39,9 @@ def _naive_moe(layer, x_TD):
 def test_moe_layer_matches_naive_loop(top_k, shared, renorm):
     cfg = default_config("tiny_cpu", **{"model.moe.top_k": top_k, "model.moe.num_shared_experts": shared,
                                         "model.moe.renormalize": renorm, "model.moe.expert_ffn": 32})
-    layer = MoEFFN(cfg.model.hidden, cfg.model.moe, 1, jnp.float32, nnx.Rngs(top_k))
+    layer = MoEFFN(cfg.model.hidden, cfg.model.moe, jnp.float32, nnx.Rngs(top_k))
     x = jax.random.normal(jax.random.key(1), (2, 12, cfg.model.hidden), jnp.float32)
-    y, stats = layer(x, LocalLayout())
+    y, stats = layer(x, local_layout(cfg.model.moe.num_experts))
     expected = _naive_moe(layer, x.reshape(-1, cfg.model.hidden)).reshape(x.shape)
     np.testing.assert_allclose(np.asarray(y), expected, rtol=2e-5, atol=2e-5)
     assert int(stats["tokens_per_expert"].sum()) == 24 * top_k
@@ -51,12 +51,12 @@ def test_moe_layer_matches_naive_loop(top_k, shared, renorm):
 def test_sort_and_unsort_round_trip_with_uneven_groups():
     x = jnp.arange(6 * 4, dtype=jnp.float32).reshape(6, 4)
     idx = jnp.array([[3, 0], [3, 1], [3, 0], [3, 2], [3, 1], [3, 0]], jnp.int32)  # expert 3 takes every token
-    xs, sizes, order = sort_by_expert(x, idx, num_experts=5)
+    xs, sizes, residual = dispatch_local(x, idx, num_experts=5)
     assert sizes.tolist() == [3, 2, 1, 6, 0]
     # Rows are grouped by expert, token order kept inside a group.
     np.testing.assert_array_equal(np.asarray(xs[:3]), np.asarray(x[jnp.array([0, 2, 5])]))
     weights = jnp.full((6, 2), 0.5)
-    np.testing.assert_allclose(np.asarray(unsort_and_combine(xs, order, weights)), np.asarray(x), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(combine_local(xs, residual, weights)), np.asarray(x), rtol=1e-6)
 
 
 def test_balance_loss_hand_built():

@@ -9,10 +9,10 @@ from flax import nnx
 
 from megascale_jax.config import default_config
 from megascale_jax.model.accounting import model_size
-from megascale_jax.model.layout import LocalLayout
-from megascale_jax.model.loss import objective
 from megascale_jax.model.transformer import Transformer
+from megascale_jax.parallel.layouts import local_layout
 
+LOCAL = local_layout(num_experts=8)   # one device: no communication (tiny_cpu has 8 experts)
 PUBLISHED = {  # (total, active) parameters in billions, from the models' papers / cards
     "mixtral_8x7b": (46.7, 12.9), "mixtral_8x22b": (141, 39), "phi35_moe": (41.9, 6.6),
     "deepseekmoe_16b": (16.4, 2.8), "hunyuan_large": (389, 52),
@@ -20,8 +20,9 @@ PUBLISHED = {  # (total, active) parameters in billions, from the models' papers
 
 
 def _model(cfg, remat="none"):
-    return Transformer(cfg.model, param_dtype=jnp.float32, compute_dtype=jnp.float32, group_size=1, remat=remat,
+    return Transformer(cfg.model, param_dtype=jnp.float32, compute_dtype=jnp.float32, remat=remat,
                        rngs=nnx.Rngs(0))
+
 
 
 def _small(**overrides):
@@ -40,7 +41,7 @@ def test_causal_gradient_of_early_outputs_wrt_later_inputs_is_zero():
         h = x
         graphdef, state = nnx.split(model.moe_blocks)
         block0 = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
-        h, _ = block0(h, LocalLayout())
+        h, _ = block0(h, LOCAL)
         return jnp.sum(h[:, :8])
 
     g = jax.grad(early_outputs)(x)
@@ -49,9 +50,9 @@ def test_causal_gradient_of_early_outputs_wrt_later_inputs_is_zero():
 
     # The full model too: logits at positions < 8 do not depend on tokens >= 8.
     tokens = jax.random.randint(jax.random.key(1), (1, 16), 0, 256)
-    logits, _ = model(tokens, LocalLayout())
+    logits, _ = model(tokens, LOCAL)
     changed = tokens.at[:, 8:].set((tokens[:, 8:] + 7) % 256)
-    logits2, _ = model(changed, LocalLayout())
+    logits2, _ = model(changed, LOCAL)
     np.testing.assert_allclose(np.asarray(logits[:, :8]), np.asarray(logits2[:, :8]), rtol=1e-6, atol=1e-6)
     assert float(jnp.abs(logits[:, 8:] - logits2[:, 8:]).max()) > 1e-3
 
@@ -64,7 +65,7 @@ def test_remat_modes_give_identical_gradients(remat):
 
     def grads(remat_mode):
         graphdef, params = nnx.split(_model(cfg, remat_mode))
-        f = lambda p: objective(nnx.merge(graphdef, p), batch, LocalLayout(), cfg.model.moe)[0]  # noqa: E731
+        f = lambda p: nnx.merge(graphdef, p).loss(batch, LOCAL)[0]  # noqa: E731
         return jax.jit(jax.value_and_grad(f))(params)
 
     (l0, g0), (l1, g1) = grads("none"), grads(remat)
@@ -114,7 +115,7 @@ def test_output_logits_backward_gemms_stay_in_the_compute_dtype():
     """bf16 compute: the head's forward and both backward GEMMs take bf16 operands (a float32 cotangent
     would make XLA run them as float32/TF32 GEMMs); the logits come back as float32 for the loss."""
     from megascale_jax.model.layers import output_logits
-    from megascale_jax.model.loss import cross_entropy
+    from megascale_jax.model.layers import cross_entropy
 
     kx, kw, kt = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (2, 8, 64), jnp.float32)
@@ -140,5 +141,5 @@ def test_initial_loss_is_near_uniform_over_the_vocabulary(tie):
     """At initialisation the logits are small, tied head or not: the loss is about ln(vocab)."""
     cfg = _small(**{"model.tie_embeddings": tie})
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, cfg.model.vocab_size)
-    loss, metrics = objective(_model(cfg), {"inputs": tokens, "targets": tokens}, LocalLayout(), cfg.model.moe)
+    loss, metrics = _model(cfg).loss({"inputs": tokens, "targets": tokens}, LOCAL)
     assert abs(float(metrics["ce"]) - np.log(cfg.model.vocab_size)) < 1.0

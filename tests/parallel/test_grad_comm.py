@@ -10,7 +10,6 @@ summed in fp32, so errors add up over ranks and never compound):
 """
 import jax
 import numpy as np
-import optax
 import pytest
 from jax import P, lax
 
@@ -79,7 +78,7 @@ def test_compression_error_within_rounding_bound(reduced, per_rank_grads, mode):
     err = np.abs(reduced[mode][0] - exact)
     assert np.all(np.isfinite(reduced[mode][0]))
     np.testing.assert_array_less(err, _error_bound(per_rank_grads, mode) + 1e-35)
-    rel = grad_comm.relative_error(reduced[mode][0], exact)
+    rel = float(np.linalg.norm(np.asarray(reduced[mode][0]) - exact) / np.linalg.norm(exact))
     print(f"\n{mode}: relative L2 error of the reduced gradient vs exact sum = {rel:.3e}")
     assert rel > 0, "no rounding happened: the payload was not compressed"
     assert rel < {"bf16": 2.0 ** -8, "fp8": 2.0 ** -4}[mode]
@@ -102,25 +101,22 @@ def test_hlo_wire_bytes_half_and_under_30_percent(reduced):
     assert fp8_dtypes == {"u8", "f32"}  # one byte per element + the fp32 block scales
 
 
-def test_dp_gradient_reduction_is_optax_piece(mesh):
+def test_all_reduce_gradients_gives_the_mean_of_a_pytree(mesh):
+    """The plain-DP form the step's replicated updater uses: a pytree of local gradients -> their mean."""
     rng = np.random.default_rng(1)
     grads_R = {"w": rng.standard_normal((DP, 5, 7)).astype(np.float32),
                "b": rng.standard_normal((DP, 3)).astype(np.float32)}
-    params = {"w": np.ones((5, 7), np.float32), "b": np.zeros((3,), np.float32)}
-    tx = optax.chain(grad_comm.dp_gradient_reduction("data", "fp32"), optax.adam(1e-2))
-
-    def step(g):
-        local = jax.tree.map(lambda x: x[0], g)
-        updates, _ = tx.update(local, tx.init(params), params)
-        return updates
 
     spec = jax.tree.map(lambda _: P("data"), grads_R)
     sharded = jax.device_put(grads_R, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), spec))
-    got = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec,), out_specs=P()))(sharded)
-    ref_tx = optax.adam(1e-2)
     mean = jax.tree.map(lambda x: x.mean(0), grads_R)
-    want, _ = ref_tx.update(mean, ref_tx.init(params), params)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), got, want)
+    for mode, rtol in (("fp32", 1e-6), ("bf16", 2 ** -8)):
+        def reduce(g, mode=mode):
+            return grad_comm.all_reduce_gradients(jax.tree.map(lambda x: x[0], g), axis="data", mode=mode)
+        got = jax.jit(jax.shard_map(reduce, mesh=mesh, in_specs=(spec,), out_specs=P()))(sharded)
+        for key in mean:   # bf16: each contribution rounded once -> error <= 2^-8 of the mean of |g|
+            bound = rtol * np.abs(grads_R[key]).mean(0) + 1e-7
+            assert np.all(np.abs(np.asarray(got[key]) - mean[key]) <= bound), (mode, key)
 
 
 def test_bad_arguments_raise(mesh):

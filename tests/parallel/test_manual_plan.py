@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from megascale_jax import train
+from megascale_jax import step
 from megascale_jax.config import default_config
 
 SMALL = {"model.hidden": 64, "model.num_heads": 4, "model.num_kv_heads": 2, "model.moe.expert_ffn": 32,
@@ -15,13 +15,13 @@ SMALL = {"model.hidden": 64, "model.num_heads": 4, "model.num_kv_heads": 2, "mod
 
 def _loss_and_grads(overrides, devices):
     cfg = default_config("tiny_cpu", num_devices=len(devices), **{**SMALL, **overrides})
-    trainer = train.build_trainer(cfg, devices)
-    params = train.create_state(trainer)["params"]
+    trainer = step.build(cfg, devices)
+    params = step.create_state(trainer)["params"]
     tokens = jax.random.randint(jax.random.key(7), (cfg.train.global_batch, cfg.train.seq_len + 1), 0, 256)
-    sharding = trainer.plan.batch_sharding(trainer.mesh)
+    sharding = trainer.batch_sharding()
     batch = {"inputs": jax.device_put(tokens[:, :-1], sharding), "targets": jax.device_put(tokens[:, 1:], sharding)}
-    fn = train.model_objective(trainer.graphdef, trainer.layout, cfg.model.moe)
-    value_and_grad = jax.jit(jax.value_and_grad(lambda p: trainer.layout.evaluate(fn, p, batch), has_aux=True))
+    fn = step.loss_and_metrics(trainer)
+    value_and_grad = jax.jit(jax.value_and_grad(lambda p: fn(p, batch), has_aux=True))
     (loss, metrics), grads = value_and_grad(params)
     return float(loss), jax.device_get(metrics), jax.device_get(grads)
 
@@ -88,8 +88,8 @@ def test_gpu_manual_plan_with_the_pallas_kernel_matches_one_device(attention, ff
         pytest.skip("needs 2 or more GPUs")
     gpu = {"train.compute_dtype": "bfloat16", "model.hidden": 256, "model.num_heads": 4, "model.num_kv_heads": 2,
            "model.moe.expert_ffn": 256, "model.dense_ffn": 256, "train.seq_len": 128}
-    _, ref_metrics, ref = _loss_and_grads({**gpu, "parallel.grouped_gemm": "xla"}, jax.devices()[:1])
-    _, metrics, got = _loss_and_grads({**gpu, "parallel.grouped_gemm": "pallas", "parallel.plan": "manual",
+    _, ref_metrics, ref = _loss_and_grads({**gpu, "kernels.grouped_gemm": "xla"}, jax.devices()[:1])
+    _, metrics, got = _loss_and_grads({**gpu, "kernels.grouped_gemm": "pallas", "parallel.plan": "manual",
                                        "parallel.attention": attention, "parallel.ffn": ffn,
                                        "parallel.intra": 2}, jax.devices()[:2])
     assert float(metrics["ce"]) == pytest.approx(float(ref_metrics["ce"]), rel=1e-2)

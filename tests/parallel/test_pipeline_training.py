@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from megascale_jax import train
+from megascale_jax import step, train
 from megascale_jax.config import ConfigError, default_config
 
 COMMON = {"train.steps": 3, "train.warmup_steps": 1, "train.log_every": 1, "train.eval_every": 0,
@@ -19,9 +19,9 @@ def _losses(tmp_path, name, **overrides):
 
 def test_two_stage_pipeline_trains_like_no_pipeline(tmp_path):
     plain = _losses(tmp_path, "plain")
-    piped = _losses(tmp_path, "pp", **{"parallel.pipe": 2, "parallel.num_microbatches": 2})
+    piped = _losses(tmp_path, "pp", **{"parallel.pipe": 2, "train.microbatches": 2})
     np.testing.assert_allclose(piped, plain, rtol=1e-5)
-    sp_ep = _losses(tmp_path, "pp_sp_ep", **{"parallel.pipe": 2, "parallel.num_microbatches": 2,
+    sp_ep = _losses(tmp_path, "pp_sp_ep", **{"parallel.pipe": 2, "train.microbatches": 2,
                                              "parallel.plan": "manual", "parallel.intra": 2})
     # Summation order differs (all-to-alls, per-stage partial sums); Adam's normalised steps carry it on.
     np.testing.assert_allclose(sp_ep, plain, rtol=5e-5)
@@ -31,13 +31,13 @@ def test_leading_dense_layer_trains_on_the_first_stage(tmp_path):
     """DeepSeekMoE-style: one dense layer before the MoE stack; stage 0 runs it after the embedding."""
     dense = {"model.num_layers": 5, "model.num_dense_layers": 1, "model.dense_ffn": 256}
     plain = _losses(tmp_path, "plain", **dense)
-    piped = _losses(tmp_path, "pp", **dense, **{"parallel.pipe": 2, "parallel.num_microbatches": 2})
+    piped = _losses(tmp_path, "pp", **dense, **{"parallel.pipe": 2, "train.microbatches": 2})
     np.testing.assert_allclose(piped, plain, rtol=1e-5)
 
 
 def test_pipeline_stages_hold_only_their_layers():
-    cfg = default_config("tiny_cpu", num_devices=8, **COMMON, **{"parallel.pipe": 2, "parallel.num_microbatches": 2})
-    state = train.create_state(train.build_trainer(cfg))
+    cfg = default_config("tiny_cpu", num_devices=8, **COMMON, **{"parallel.pipe": 2, "train.microbatches": 2})
+    state = step.create_state(step.build(cfg))
     for part in ("params", "opt_state"):
         blocks = [x for x in jax.tree.leaves(state[part]) if x.ndim and x.shape[0] == cfg.model.num_layers]
         assert blocks
@@ -47,7 +47,7 @@ def test_pipeline_stages_hold_only_their_layers():
 
 @pytest.mark.parametrize("overrides,needle", [
     ({"parallel.pipe": 2, "parallel.intra": 2}, "plan='manual'"),
-    ({"parallel.pipe": 2, "parallel.num_microbatches": 3}, "divisible by num_microbatches"),
+    ({"parallel.pipe": 2, "train.microbatches": 3}, "train.microbatches x data"),
     ({"parallel.pipe": 2, "parallel.pipeline_schedule": "zigzag"}, "pipeline_schedule"),
 ])
 def test_pipeline_config_errors(overrides, needle):

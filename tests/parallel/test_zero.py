@@ -25,6 +25,25 @@ STEPS = 3
 REPO = Path(__file__).resolve().parents[2]
 
 
+def replicated_twin(zero_opt: zero.Zero1) -> optax.GradientTransformation:
+    """The plain-DP optimizer that ZeRO-1 must match: clip by global norm, then the inner optimizer,
+    applied to the full (already DP-averaged) gradient with replicated state."""
+    if zero_opt.max_grad_norm is None:
+        return zero_opt.optimizer
+    return optax.chain(optax.clip_by_global_norm(zero_opt.max_grad_norm), zero_opt.optimizer)
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes that ONE device (the first one) holds of a pytree of jax Arrays: shards, not global sizes."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if not isinstance(leaf, jax.Array):
+            continue
+        device = min(leaf.sharding.addressable_devices, key=lambda d: d.id)
+        total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
+    return total
+
+
 def make_params(d_in=D_IN, d_hidden=D_HIDDEN):
     k1, k2 = jax.random.split(jax.random.key(0))
     return {"w1": jax.random.normal(k1, (d_in, d_hidden)) / np.sqrt(d_in), "b1": jnp.zeros((d_hidden,)),
@@ -65,12 +84,12 @@ def zero_train(mesh, params, x_global, y_global, mode, steps=STEPS, bucket_eleme
     for _ in range(steps):
         params, opt_state, stats = step(params, opt_state, x_global, y_global)
         clip_scales.append(float(stats["clip_scale"].addressable_shards[0].data))
-    return params, clip_scales, zero.per_device_bytes(opt_state)
+    return params, clip_scales, per_device_bytes(opt_state)
 
 
 def plain_train(params, x, y, mode_like: zero.Zero1, steps=STEPS):
     """Single device, full batch, replicated optax state: what data parallelism must reproduce."""
-    tx = zero.replicated_twin(mode_like)
+    tx = replicated_twin(mode_like)
     state = tx.init(params)
 
     @jax.jit
@@ -146,8 +165,8 @@ def test_optimizer_state_bytes_fall_by_dp(mesh):
     params = make_params(d_in=64, d_hidden=128)  # 16576 values -> padded 17408: 5% padding
     opt = make_zero("fp32")
     sharded = opt.init(params, mesh)
-    replicated = jax.device_put(zero.replicated_twin(opt).init(params), jax.NamedSharding(mesh, P()))
-    zero_bytes, plain_bytes = zero.per_device_bytes(sharded), zero.per_device_bytes(replicated)
+    replicated = jax.device_put(replicated_twin(opt).init(params), jax.NamedSharding(mesh, P()))
+    zero_bytes, plain_bytes = per_device_bytes(sharded), per_device_bytes(replicated)
     padded = opt.flat_length(params, DP)
     scalar_bytes = 4  # adam's step count, replicated in both
     assert (zero_bytes - scalar_bytes) * DP * 16576 == (plain_bytes - scalar_bytes) * padded
@@ -173,11 +192,11 @@ def _worker(port: int, process_id: int, out_path: str) -> None:
     distributed.initialize(f"localhost:{port}", 2, process_id)
     mesh = jax.make_mesh((DP,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     x, y = make_batch()
-    rows = distributed.process_batch_slice(BATCH, mesh, P("data"))
-    assert rows == slice(32 * process_id, 32 * (process_id + 1)), rows
-    assert distributed.data_parallel_ranks(mesh, "data") == range(4 * process_id, 4 * (process_id + 1))
-    xg = distributed.make_global_array(x[rows], mesh, P("data"), (BATCH, D_IN))
-    yg = distributed.make_global_array(y[rows], mesh, P("data"), (BATCH, D_IN))
+    rows = slice(32 * process_id, 32 * (process_id + 1))   # this process's 4 devices hold data ranks 4p..4p+3
+    sharding = jax.NamedSharding(mesh, P("data"))
+    assert {d.id for d in jax.local_devices()} == {d.id for d in mesh.devices[4 * process_id:4 * (process_id + 1)]}
+    xg = jax.make_array_from_process_local_data(sharding, x[rows], (BATCH, D_IN))
+    yg = jax.make_array_from_process_local_data(sharding, y[rows], (BATCH, D_IN))
     result = {}
     for mode in grad_comm.GRAD_COMM_MODES:
         params = zero_train(mesh, make_params(), xg, yg, mode)[0]

@@ -1,4 +1,5 @@
-"""The MoE FFN in four seams (as Megatron has them): router -> dispatch -> experts -> layer.
+"""The MoE FFN: router.py (route), experts.py (pure grouped-GEMM experts), layer.py (the phases); the
+dispatchers live in megascale_jax/parallel/layouts.py.
 
 Shape legend used in names across the package:
   B batch, S sequence, D hidden (model dim), H query heads, G kv heads, K head dim (attention) or top-k (MoE),

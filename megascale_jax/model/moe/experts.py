@@ -1,56 +1,100 @@
-"""Routed experts: SwiGLU FFNs evaluated as grouped GEMMs over rows sorted by expert.
+"""Routed experts: SwiGLU FFNs as grouped GEMMs over rows sorted by expert, a pure function of explicit weights.
 
-`grouped_gemm` is the one function boundary for the expert matmuls. Its reference is `jax.lax.ragged_dot`
-(XLA; on GPU it becomes a dense masked GEMM, ~97 TFLOP/s at the Mixtral shape on an H200); `pallas` is our
-Mosaic GPU kernel (pallas_kernels/grouped_gemm.py) with the same semantics.
+    swiglu_experts(x_MD, weights, group_sizes, gemm) = down(silu(x @ gate_e) * (x @ up_e))  per row group e
+
+The weights are arguments, not closed over, so a hand-written backward (`jax.custom_vjp`, the macro
+layer) can differentiate them, and a dispatcher can take the first (`expert_hidden`) or last
+(`expert_output`) GEMM into a fused communication kernel.
+
+`gemm` is one resolved implementation (`resolve_grouped_gemm`, chosen once when the model is built):
+  xla     `jax.lax.ragged_dot` (on GPU a dense masked GEMM, ~97 TFLOP/s at the Mixtral shape on an H200;
+          the reference everywhere);
+  pallas  our Mosaic GPU kernel (pallas_kernels/grouped_gemm.py), same semantics.
 """
 from __future__ import annotations
 
+from enum import StrEnum
+from typing import Callable, NamedTuple
+
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from megascale_jax.model.layers import param
 
-GROUPED_GEMM_IMPLEMENTATIONS = ("xla", "pallas", "auto")
+
+class GroupedGemmImpl(StrEnum):
+    XLA = "xla"
+    PALLAS = "pallas"
+    AUTO = "auto"   # resolved at build time: pallas on GPU where the kernel takes the operands, else xla
 
 
-def grouped_gemm(x_MK, w_GKN, group_sizes_G, implementation: str = "xla"):
-    """y[m] = x[m] @ w[g(m)] for rows sorted by group; rows past sum(group_sizes) are zeros.
-
-    `auto`: the Pallas kernel when it takes these operands (GPU, bf16/f16, K and N aligned), else XLA.
-    """
-    if implementation == "auto":
-        from pallas_kernels.grouped_gemm import unsupported_reason
-
-        usable = jax.default_backend() == "gpu" and unsupported_reason(x_MK, w_GKN) is None
-        implementation = "pallas" if usable else "xla"
-    if implementation == "xla":
-        return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
-    if implementation == "pallas":
-        from pallas_kernels.grouped_gemm import grouped_gemm as pallas_grouped_gemm
-
-        return pallas_grouped_gemm(x_MK, w_GKN, group_sizes_G)
-    raise ValueError(f"grouped GEMM implementation {implementation!r}; choose one of "
-                     f"{', '.join(GROUPED_GEMM_IMPLEMENTATIONS)} (config.parallel.grouped_gemm).")
+GroupedGemm = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]   # (x_MK, w_GKN, group_sizes_G) -> y_MN
 
 
+def resolve_grouped_gemm(choice: str, *, backend: str, dtype, dim: int, ffn: int, rows: int = 128) -> str:
+    """`auto` -> 'pallas' on GPU when the kernel takes both expert GEMM shapes ([M, D] x [G, D, F] and
+    [M, F] x [G, F, D]) in `dtype`, judged by the kernel's own `unsupported_reason` on abstract operands;
+    else 'xla'. `ffn` is the per-device expert width (F / n under TP experts)."""
+    if choice != GroupedGemmImpl.AUTO:
+        return GroupedGemmImpl(choice).value
+    if backend != "gpu":
+        return GroupedGemmImpl.XLA.value
+    from pallas_kernels.grouped_gemm import unsupported_reason
+
+    def shape(*dims):
+        return jax.ShapeDtypeStruct(dims, dtype)
+
+    reasons = (unsupported_reason(shape(rows, dim), shape(1, dim, ffn)),
+               unsupported_reason(shape(rows, ffn), shape(1, ffn, dim)))
+    return (GroupedGemmImpl.PALLAS if all(r is None for r in reasons) else GroupedGemmImpl.XLA).value
+
+
+def grouped_gemm_fn(implementation: str) -> GroupedGemm:
+    """The function for a resolved implementation name."""
+    if implementation == GroupedGemmImpl.XLA:
+        return jax.lax.ragged_dot
+    if implementation == GroupedGemmImpl.PALLAS:
+        from pallas_kernels.grouped_gemm import grouped_gemm
+
+        return lambda x, w, group_sizes: grouped_gemm(x, w, group_sizes)
+    raise ValueError(f"grouped GEMM implementation {implementation!r} is not resolved; choose one of "
+                     f"xla, pallas (config.kernels.grouped_gemm; 'auto' is resolved by resolve_grouped_gemm).")
+
+
+class ExpertWeights(NamedTuple):
+    gate_EDF: jax.Array
+    up_EDF: jax.Array
+    down_EFD: jax.Array
+
+
+def expert_hidden(x_MD, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm):
+    """The first expert GEMMs and the activation: silu(x @ gate_e) * (x @ up_e)."""
+    dt = x_MD.dtype
+    gate = gemm(x_MD, weights.gate_EDF.astype(dt), group_sizes_E)
+    up = gemm(x_MD, weights.up_EDF.astype(dt), group_sizes_E)
+    return jax.nn.silu(gate) * up
+
+
+def expert_output(h_MF, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm):
+    """The last expert GEMM: h @ down_e."""
+    out = gemm(h_MF, weights.down_EFD.astype(h_MF.dtype), group_sizes_E)
+    return checkpoint_name(out, "expert_out")
+
+
+def swiglu_experts(x_MD, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm):
+    """Rows of x sorted by (local) expert; `group_sizes` has one entry per expert held here; rows past
+    sum(group_sizes) come out as zeros (xla) or unspecified (pallas) and are ignored by every combine."""
+    return expert_output(expert_hidden(x_MD, weights, group_sizes_E, gemm), weights, group_sizes_E, gemm)
 
 
 class SwiGLUExperts(nnx.Module):
-    """E experts, each down(silu(x @ gate_e) * (x @ up_e)); under EP a rank holds E/n of them."""
+    """The E experts' parameters; under EP a rank holds E/n of them, under TP an F/n slice of each."""
 
     def __init__(self, num_experts: int, dim: int, ffn: int, param_dtype, rngs: nnx.Rngs):
         self.w_gate_EDF = param(rngs, (num_experts, dim, ffn), ("experts", "embed", "expert_ffn"), param_dtype)
         self.w_up_EDF = param(rngs, (num_experts, dim, ffn), ("experts", "embed", "expert_ffn"), param_dtype)
         self.w_down_EFD = param(rngs, (num_experts, ffn, dim), ("experts", "expert_ffn", "embed"), param_dtype)
 
-    def __call__(self, x_MD, group_sizes_E, implementation: str = "xla"):
-        """Rows of x sorted by (local) expert; `group_sizes` has one entry per expert held here."""
-        dt = x_MD.dtype
-        gate = grouped_gemm(x_MD, self.w_gate_EDF[...].astype(dt), group_sizes_E, implementation)
-        up = grouped_gemm(x_MD, self.w_up_EDF[...].astype(dt), group_sizes_E, implementation)
-        hidden = jax.nn.silu(gate) * up
-        out = grouped_gemm(hidden, self.w_down_EFD[...].astype(dt), group_sizes_E, implementation)
-        return checkpoint_name(out, "expert_out")
+    def weights(self) -> ExpertWeights:
+        return ExpertWeights(self.w_gate_EDF[...], self.w_up_EDF[...], self.w_down_EFD[...])

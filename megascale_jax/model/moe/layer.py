@@ -1,24 +1,34 @@
-"""The MoE FFN layer: router -> dispatch -> experts -> combine, plus optional shared experts.
+"""The MoE FFN layer in the paper's phases: route -> dispatch -> experts -> combine, plus shared experts.
 
-The routed part goes through `layout.expert_ffn`, which on one device (and under the XLA plan) is the local
-dropless sort / grouped GEMM / unsort, and under the manual EP plan the expert-parallel exchange.
+    route     the router (float32) picks top-k experts and weights per token, and the balance / z losses;
+    dispatch  the layout's dispatcher sorts rows by expert: locally (one device, the XLA plan, TP experts)
+              or across the intra-node domain (EP all-to-all / all-gather);
+    experts   SwiGLU as grouped GEMMs over explicit weights (model/moe/experts.py);
+    combine   rows back to their tokens, weighted sum over k in fp32;
+    shared    shared experts, a dense SwiGLU on every token.
+Each phase runs under a `jax.named_scope` of its name (the analyzer and the profiles attribute by them).
+The dispatcher runs dispatch -> first expert GEMM and last expert GEMM -> combine, so that a fused
+communication + GEMM kernel can take over exactly those (parallel/layouts.py).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from megascale_jax.model.layers import DenseMLP
-from megascale_jax.model.moe.experts import SwiGLUExperts
-from megascale_jax.model.moe.router import Router
+from megascale_jax.model.moe.experts import SwiGLUExperts, expert_hidden, expert_output, grouped_gemm_fn
+from megascale_jax.model.moe.router import ROUTERS
 
 
 class MoEFFN(nnx.Module):
-    def __init__(self, dim: int, moe_cfg, group_size: int, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, dim: int, moe_cfg, param_dtype, rngs: nnx.Rngs, *, grouped_gemm: str = "xla"):
+        """moe_cfg: a resolved MoEConfig (balance_group_size > 0). grouped_gemm: a resolved implementation."""
         e = moe_cfg
-        self.num_experts = e.num_experts
-        self.router = Router(dim, e.num_experts, e.top_k, e.renormalize, group_size, rngs)
+        self.num_experts, self.grouped_gemm = e.num_experts, grouped_gemm
+        self.router = ROUTERS[e.router_kind](dim, e.num_experts, e.top_k, e.renormalize, e.balance_group_size,
+                                             rngs)
         self.experts = SwiGLUExperts(e.num_experts, dim, e.expert_ffn, param_dtype, rngs)
         shared_ffn = e.num_shared_experts * (e.shared_expert_ffn or e.expert_ffn)
         # Shared experts are fused into one dense SwiGLU of the summed width (mathematically identical).
@@ -26,13 +36,27 @@ class MoEFFN(nnx.Module):
 
     def __call__(self, x_BSD, layout):
         """Returns (y_BSD, stats) with stats: aux_loss, z_loss, tokens_per_expert, dropped_tokens."""
-        x_BSD = layout.ffn_input(x_BSD)
+        x_BSD = layout.ffn.ffn_input(x_BSD)
         batch, seq, dim = x_BSD.shape
         x_TD = x_BSD.reshape(batch * seq, dim)
-        routing = self.router(x_TD, layout.token_mean)
-        y_TD, dropped, tokens_per_expert = layout.expert_ffn(x_TD, routing, self.experts, self.num_experts)
+        with jax.named_scope("route"):
+            routing = self.router(x_TD, layout.reductions.token_mean)
+        gemm, weights = grouped_gemm_fn(self.grouped_gemm), self.experts.weights()
+        first = functools.partial(_first_gemm, weights=weights, gemm=gemm)
+        last = functools.partial(_last_gemm, weights=weights, gemm=gemm)
+        h_MF, group_sizes, residual = layout.ffn.first_gemm_dispatch(x_TD, routing, first)   # dispatch, experts
+        y_TD = layout.ffn.last_gemm_combine(h_MF, group_sizes, residual, routing.weight_TK, last)  # experts, combine
         if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+            with jax.named_scope("shared_experts"):
+                y_TD = y_TD + self.shared(x_TD)
         stats = {"aux_loss": routing.aux_loss, "z_loss": routing.z_loss,
-                 "tokens_per_expert": tokens_per_expert, "dropped_tokens": dropped}
-        return layout.ffn_output(y_TD.reshape(batch, seq, dim)), stats
+                 "tokens_per_expert": residual.tokens_per_expert, "dropped_tokens": residual.dropped_tokens}
+        return layout.ffn.ffn_output(y_TD.reshape(batch, seq, dim)), stats
+
+
+def _first_gemm(x_MD, group_sizes, *, weights, gemm):
+    return expert_hidden(x_MD, weights, group_sizes, gemm)
+
+
+def _last_gemm(h_MF, group_sizes, *, weights, gemm):
+    return expert_output(h_MF, weights, group_sizes, gemm)

@@ -11,6 +11,7 @@ group_size = 1 is the classic per-expert loss. z-loss = mean(logsumexp(logits)^2
 from __future__ import annotations
 
 import dataclasses
+from enum import StrEnum
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +20,16 @@ from flax import nnx
 from megascale_jax.model.layers import param
 
 
+class RouterKind(StrEnum):
+    SOFTMAX_TOPK = "softmax_topk"   # softmax over experts, top-k, optional renormalisation (Mixtral, Qwen)
+
+
 @dataclasses.dataclass(frozen=True)
 class Routing:
     idx_TK: jax.Array       # int32 expert ids, best first
     weight_TK: jax.Array    # float32 combine weights
     aux_loss: jax.Array     # scalar, balance loss (unweighted)
     z_loss: jax.Array       # scalar (unweighted)
-    tokens_per_expert_E: jax.Array  # int32 counts of routed assignments
 
 
 jax.tree_util.register_dataclass(Routing)
@@ -57,12 +61,13 @@ def route(logits_TE, top_k: int, renormalize: bool, group_size: int, token_mean=
     if renormalize:
         weight_TK = weight_TK / jnp.sum(weight_TK, axis=-1, keepdims=True)
     z_loss = token_mean(jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2))
-    counts = jnp.zeros((logits_TE.shape[-1],), jnp.int32).at[idx_TK.reshape(-1)].add(1)
     aux = balance_loss(probs_TE, idx_TK, group_size, token_mean)
-    return Routing(idx_TK.astype(jnp.int32), weight_TK, aux, z_loss, counts)
+    return Routing(idx_TK.astype(jnp.int32), weight_TK, aux, z_loss)
 
 
 class Router(nnx.Module):
+    """RouterKind.SOFTMAX_TOPK. (A sigmoid router with an aux-free bias would be a second class here.)"""
+
     def __init__(self, dim: int, num_experts: int, top_k: int, renormalize: bool, group_size: int,
                  rngs: nnx.Rngs):
         # Router weights stay float32 regardless of param dtype: the top-k choice is precision-sensitive.
@@ -72,3 +77,6 @@ class Router(nnx.Module):
     def __call__(self, x_TD, token_mean=_local_mean) -> Routing:
         logits = jnp.dot(x_TD.astype(jnp.float32), self.w_DE[...], preferred_element_type=jnp.float32)
         return route(logits, self.top_k, self.renormalize, self.group_size, token_mean)
+
+
+ROUTERS = {RouterKind.SOFTMAX_TOPK: Router}

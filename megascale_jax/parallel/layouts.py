@@ -1,0 +1,266 @@
+"""Layouts: where the model's communication goes, as three small strategies composed.
+
+The model calls the same hooks in the same places under every plan; a Layout answers them:
+  reductions  Reductions      token means / count sums: identity in the global (XLA) view, over the
+                              (data, intra) axes when the step runs per device inside shard_map;
+  attention   AttentionComm   LocalAttention | UlyssesAttention (SP: all-to-all sequence <-> heads around
+                              the attention core) | MegatronAttention (TP: all-gather the sequence,
+                              heads sharded in the weights, reduce-scatter the output projection);
+  ffn         FFNDispatcher   LocalDispatch (the n = 1 sort) | AllToAllDispatch | AllGatherDispatch (EP:
+                              whole experts per rank) | TensorParallelDispatch (TP: all-gather the
+                              sequence, every expert's FFN width sharded, local sort, reduce-scatter).
+`make_layout(plan, ...)` picks one of each. A new plan is one small class here, not a branch in every hook.
+
+Dispatcher contract (the seam the macro layer and the fused kernels build on):
+    dispatch(x_TD, routing) -> (x_MD, group_sizes_G, residual)     rows sorted by (local) expert
+    combine(y_MD, residual, weight_TK) -> y_TD                       weighted sum over k, in fp32
+`residual` carries `dropped_tokens` and `tokens_per_expert`. `first_gemm_dispatch` / `last_gemm_combine`
+default to dispatch-then-GEMM and GEMM-then-combine; a fused AG+GroupedGEMM or GroupedGEMM+RS kernel
+overrides only the one that touches its GEMM.
+
+Every collective is called through parallel/collectives.py or parallel/expert_parallel.py; model code
+calls none and opens no shard_map (the step does, parallel/plan.py names the axes).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from megascale_jax.parallel import collectives
+from megascale_jax.parallel import expert_parallel as ep
+from megascale_jax.parallel.plan import DATA, INTRA, AttentionPlan, EPDispatch, FFNPlan, ParallelPlan, PlanKind
+
+
+def _varying(x, axes) -> tuple[str, ...]:
+    """The mesh axes among `axes` along which x differs between devices (shard_map's vma type)."""
+    vma = collectives.varying_axes(x)
+    return tuple(a for a in axes if a in vma)
+
+
+# ------------------------------------------------------------------------------------------ reductions
+class Reductions(Protocol):
+    def token_mean(self, x): """Mean over this device's tokens -> mean over the batch's tokens."""
+    def batch_sum(self, counts): """Per-expert counts (already summed over the intra domain) -> batch sums."""
+    def device_sum(self, x): """A per-device count -> the sum over all devices."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalReductions:
+    """The global view (one device, or the XLA plan where the compiler partitions): already global."""
+
+    def token_mean(self, x):
+        return x
+
+    def batch_sum(self, counts):
+        return counts
+
+    def device_sum(self, x):
+        return x
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceReductions:
+    """Per device inside shard_map over (data[, pipe], intra): every device returns the global value."""
+
+    def token_mean(self, x):
+        # Averaging over an axis x does not vary along is the identity (and an error for pmean under vma).
+        return lax.pmean(x, _varying(x, (DATA, INTRA)))
+
+    def batch_sum(self, counts):
+        # Counts arrive already summed over the intra domain (the same on its n devices, but typed as
+        # varying); pmax over intra makes them invariant without changing them, psum over data adds batches.
+        counts = lax.pmax(counts, _varying(counts, (INTRA,)))
+        return lax.psum(counts, _varying(counts, (DATA,)))
+
+    def device_sum(self, x):
+        return lax.psum(x, _varying(x, (DATA, INTRA)))
+
+
+# ------------------------------------------------------------------------------------------ attention
+class AttentionComm(Protocol):
+    def attention_input(self, x_BSD): """The residual stream -> what the q/k/v projections read."""
+    def positions(self, x_BSD): """Global token positions [B, S] of the rows the projections read."""
+    def heads_in(self, q, k, v): """Projected q/k/v -> the layout the attention core runs on."""
+    def heads_out(self, out): """The core's output -> the layout the output projection reads."""
+    def proj_out(self, y_BSD): """The output projection -> the residual stream's layout."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalAttention:
+    def attention_input(self, x_BSD):
+        return x_BSD
+
+    def positions(self, x_BSD):
+        batch, seq = x_BSD.shape[:2]
+        return jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+
+    def heads_in(self, q, k, v):
+        return q, k, v
+
+    def heads_out(self, out):
+        return out
+
+    def proj_out(self, y_BSD):
+        return y_BSD
+
+
+@dataclasses.dataclass(frozen=True)
+class UlyssesAttention(LocalAttention):
+    """SP: the residual stream is sequence-sharded over `axis`; q/k/v go to head-sharded by all-to-all
+    (k/v send each rank only the GQA kv heads its q heads use), the core sees the whole sequence, and the
+    output comes back sequence-sharded. Attention weights are replicated."""
+    num_heads: int = 0
+    axis: str = INTRA
+
+    def positions(self, x_BSD):
+        batch, seq = x_BSD.shape[:2]
+        offset = lax.axis_index(self.axis) * seq
+        return jnp.broadcast_to(offset + jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+
+    def heads_in(self, q, k, v):
+        return (collectives.seq_to_heads(q, self.axis), collectives.kv_seq_to_heads(k, self.axis, self.num_heads),
+                collectives.kv_seq_to_heads(v, self.axis, self.num_heads))
+
+    def heads_out(self, out):
+        return collectives.heads_to_seq(out, self.axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronAttention(LocalAttention):
+    """TP with sequence parallelism: all-gather the sequence, heads sharded in the weights, reduce-scatter
+    the output projection's partial sums back to sequence shards."""
+    axis: str = INTRA
+
+    def attention_input(self, x_BSD):
+        return collectives.gather_seq(x_BSD, self.axis)
+
+    def proj_out(self, y_BSD):
+        return collectives.scatter_sum_seq(y_BSD, self.axis)
+
+
+# ------------------------------------------------------------------------------------------ FFN dispatch
+GemmFn = Callable[[jax.Array, jax.Array], jax.Array]   # (rows sorted by expert, group_sizes) -> rows
+
+
+class FFNDispatcher(Protocol):
+    def ffn_input(self, x_BSD): """The residual stream -> the tokens this device's FFN reads."""
+    def ffn_output(self, y_BSD): """FFN output -> the residual stream's layout."""
+    def dispatch(self, x_TD, routing) -> tuple[jax.Array, jax.Array, Any]: ...
+    def combine(self, y_MD, residual, weight_TK) -> jax.Array: ...
+    def first_gemm_dispatch(self, x_TD, routing, first_gemm: GemmFn): ...
+    def last_gemm_combine(self, h_MF, group_sizes, residual, weight_TK, last_gemm: GemmFn): ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalDispatch:
+    """n = 1: sort the T*K assignments by expert on this device (capacity as the all_to_all at n = 1)."""
+    num_experts: int
+    capacity_factor: float = 0.0
+
+    def ffn_input(self, x_BSD):
+        return x_BSD
+
+    def ffn_output(self, y_BSD):
+        return y_BSD
+
+    def dispatch(self, x_TD, routing):
+        num_tokens, top_k = routing.idx_TK.shape
+        capacity = (ep.rows_per_destination(num_tokens, top_k, self.num_experts, 1, self.capacity_factor)
+                    if self.capacity_factor else None)
+        return ep.dispatch_local(x_TD, routing.idx_TK, num_experts=self.num_experts, capacity=capacity)
+
+    def combine(self, y_MD, residual, weight_TK):
+        return ep.combine_local(y_MD, residual, weight_TK)
+
+    # The hooks a fused dispatch+GEMM kernel overrides; unfused they are the phases in sequence.
+    def first_gemm_dispatch(self, x_TD, routing, first_gemm: GemmFn):
+        """(first_gemm(x_MD, group_sizes), group_sizes, residual)."""
+        with jax.named_scope("dispatch"):
+            x_MD, group_sizes, residual = self.dispatch(x_TD, routing)
+        with jax.named_scope("experts"):
+            return first_gemm(x_MD, group_sizes), group_sizes, residual
+
+    def last_gemm_combine(self, h_MF, group_sizes, residual, weight_TK, last_gemm: GemmFn):
+        with jax.named_scope("experts"):
+            y_MD = last_gemm(h_MF, group_sizes)
+        with jax.named_scope("combine"):
+            return self.combine(y_MD, residual, weight_TK)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelDispatch(LocalDispatch):
+    """TP FFN: every device holds all (gathered) tokens and an F/n slice of every expert (and of the shared
+    and dense FFNs); the local sort runs on the gathered tokens, partial sums are reduce-scattered."""
+    axis: str = INTRA
+
+    def ffn_input(self, x_BSD):
+        return collectives.gather_seq(x_BSD, self.axis)
+
+    def ffn_output(self, y_BSD):
+        return collectives.scatter_sum_seq(y_BSD, self.axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllToAllDispatch(LocalDispatch):
+    """EP by all-to-all: rows per destination rank in fixed buffers (dropless worst case, or capacity)."""
+    axis: str = INTRA
+
+    def dispatch(self, x_TD, routing):
+        num_tokens, top_k = routing.idx_TK.shape
+        capacity = ep.rows_per_destination(num_tokens, top_k, self.num_experts, lax.axis_size(self.axis),
+                                           self.capacity_factor or None)
+        return ep.dispatch_all_to_all(x_TD, routing.idx_TK, axis=self.axis, num_experts=self.num_experts,
+                                      capacity=capacity)
+
+    def combine(self, y_MD, residual, weight_TK):
+        return ep.combine_all_to_all(y_MD, residual, weight_TK, axis=self.axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGatherDispatch(LocalDispatch):
+    """EP by all-gather + local scatter, back by local gather + reduce-scatter (better at large top-k)."""
+    axis: str = INTRA
+
+    def dispatch(self, x_TD, routing):
+        return ep.dispatch_all_gather(x_TD, routing.idx_TK, axis=self.axis, num_experts=self.num_experts)
+
+    def combine(self, y_MD, residual, weight_TK):
+        return ep.combine_all_gather(y_MD, residual, weight_TK, axis=self.axis)
+
+
+# ------------------------------------------------------------------------------------------ the layout
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    reductions: Reductions
+    attention: AttentionComm
+    ffn: FFNDispatcher
+
+
+def local_layout(num_experts: int, capacity_factor: float = 0.0) -> Layout:
+    """One device (or the global view): no communication anywhere."""
+    return Layout(GlobalReductions(), LocalAttention(), LocalDispatch(num_experts, capacity_factor))
+
+
+def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int) -> Layout:
+    """The layout `plan` calls for. Per device (manual plan or pipeline) reductions go over the mesh; the
+    SP / TP / EP strategies exist only under the manual plan (under XLA the compiler communicates)."""
+    reductions = DeviceReductions() if plan.per_device else GlobalReductions()
+    if plan.kind != PlanKind.MANUAL or plan.intra == 1:
+        return Layout(reductions, LocalAttention(), LocalDispatch(num_experts, plan.capacity_factor))
+    attention = (UlyssesAttention(num_heads=num_heads) if plan.attention == AttentionPlan.SP
+                 else MegatronAttention())
+    if plan.ffn == FFNPlan.TP:
+        ffn = TensorParallelDispatch(num_experts, plan.capacity_factor)
+    elif plan.dispatch == EPDispatch.ALL_GATHER:
+        if plan.capacity_factor:
+            raise ValueError(f"capacity_factor={plan.capacity_factor} applies to the all_to_all dispatch only; "
+                             "all_gather is dropless: set config.model.moe.capacity_factor=0 or "
+                             "config.parallel.ep_dispatch='all_to_all'.")
+        ffn = AllGatherDispatch(num_experts)
+    else:
+        ffn = AllToAllDispatch(num_experts, plan.capacity_factor)
+    return Layout(reductions, attention, ffn)

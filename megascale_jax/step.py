@@ -1,0 +1,281 @@
+"""The training step: a gradient source (megascale_jax/gradients.py) composed with an updater, built once.
+
+    step = updater(gradient_source(params, batch))
+
+  gradient source  autodiff | accumulate(train.microbatches) | pipeline(parallel.pipeline_schedule)
+  updater          replicated(grad_comm): reduce the gradient over 'data' (fp32 all-reduce, or bf16 / fp8
+                       all-to-all + local fp32 sum + all-gather), clip by the global norm, AdamW on each
+                       device's own shards of the parameters and optimizer state;
+                   zero1(grad_comm): parallel/zero.py (compressed reduce-scatter, this rank's slice of the
+                       optimizer state, all-gather of the updated parameters).
+Any source works with any updater. Under the manual plan and with a pipeline the whole step runs per
+device inside ONE `jax.shard_map` over the mesh (the layout's collectives run there); under the XLA plan
+it runs in the global view and the compiler partitions it.
+
+`build(cfg)` plans the mesh, resolves the kernels, and derives the state's shapes and shardings from the
+model's logical axes; `create_state` initialises the state directly with those shardings.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from megascale_jax import gradients
+from megascale_jax.config import Config, DType
+from megascale_jax.model.attention import resolve_attention_impl
+from megascale_jax.model.moe.experts import resolve_grouped_gemm
+from megascale_jax.model.transformer import Kernels, Transformer
+from megascale_jax.optim import clip_by_norm, flat_decay_mask, learning_rate_schedule, make_flat_optimizer, \
+    make_optimizer
+from megascale_jax.parallel import grad_comm
+from megascale_jax.parallel.collectives import varying_axes
+from megascale_jax.parallel.layouts import Layout, make_layout
+from megascale_jax.parallel.plan import DATA, INTRA, PIPE, FFNPlan, ParallelPlan, PlanKind
+from megascale_jax.parallel.zero import OptimizerSharding, Zero1
+
+DTYPES = {DType.FLOAT32: jnp.float32, DType.BFLOAT16: jnp.bfloat16}
+
+# ZeRO-1's flat vectors are padded to a multiple of this, so for every data-parallel size dividing 64 the state
+# has the same global shapes and a checkpoint restores onto another data-parallel size (<= 8192 zeros a bucket).
+ZERO_PAD_MULTIPLE = 64 * 128
+
+
+def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
+    """The kernel choices, resolved once for this backend, dtype and the per-device expert shapes."""
+    backend, compute = jax.default_backend(), DTYPES[cfg.train.compute_dtype]
+    tp_experts = plan.kind == PlanKind.MANUAL and plan.ffn == FFNPlan.TP
+    ffn = cfg.model.moe.expert_ffn // (plan.intra if tp_experts else 1)
+    return Kernels(attention=resolve_attention_impl(cfg.kernels.attention, backend=backend, compute_dtype=compute),
+                   grouped_gemm=resolve_grouped_gemm(cfg.kernels.grouped_gemm, backend=backend, dtype=compute,
+                                                     dim=cfg.model.hidden, ffn=ffn))
+
+
+def new_model(cfg: Config, kernels: Kernels = Kernels()) -> Transformer:
+    return Transformer(cfg.model, param_dtype=DTYPES[cfg.train.param_dtype],
+                       compute_dtype=DTYPES[cfg.train.compute_dtype], remat=cfg.train.remat, kernels=kernels,
+                       rngs=nnx.Rngs(params=cfg.train.seed))
+
+
+def _specs(shardings):
+    """PartitionSpecs of a pytree of NamedShardings (shard_map's in_specs / out_specs)."""
+    return jax.tree.map(lambda s: s.spec, shardings)
+
+
+# --------------------------------------------------------------------------------------------- updaters
+@dataclasses.dataclass(frozen=True)
+class Replicated:
+    """Optimizer state sharded like the parameters (replicated over 'data'). Per device it first reduces
+    the gradient over 'data' as `mode` says; the global norm sums every leaf over the axes it is sharded on."""
+    optimizer: optax.GradientTransformation     # elementwise (AdamW): runs on each device's shards
+    mode: str
+    max_grad_norm: float | None
+    per_device: bool
+    param_specs: Any
+
+    def init(self, params):
+        return self.optimizer.init(params)
+
+    def state_specs(self, opt_state, param_specs):
+        return optax.tree_map_params(self.optimizer, lambda _, s: s, opt_state, param_specs,
+                                     transform_non_params=lambda _: P())
+
+    def step(self, params, grads, opt_state):
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        if self.per_device:
+            grads = _reduce_over_data(grads, self.mode)
+        norm = _global_norm(grads, self.param_specs if self.per_device else None)
+        grads = clip_by_norm(grads, norm, self.max_grad_norm)
+        updates, opt_state = self.optimizer.update(jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params),
+                                                   opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"grad_norm": norm}
+
+
+def _reduce_over_data(grads, mode: str):
+    """Mean over 'data'. fp32: the compiler's all-reduce. bf16 / fp8: grad_comm's all-to-all + local fp32
+    sum + all-gather, one flat vector per group of leaves of one shard_map type (each gathered result must
+    be typed like its leaves: replicated over 'data', varying where the leaf is sharded)."""
+    if mode == grad_comm.GradComm.FP32:
+        return jax.tree.map(lambda g: lax.pmean(g, DATA), grads)
+    leaves, treedef = jax.tree.flatten(grads)
+    groups: dict[frozenset, list[int]] = {}
+    for i, g in enumerate(leaves):
+        groups.setdefault(varying_axes(g) - {DATA}, []).append(i)
+    out = list(leaves)
+    for indices in groups.values():
+        reduced = grad_comm.all_reduce_gradients([leaves[i] for i in indices], axis=DATA, mode=mode)
+        for i, g in zip(indices, reduced):
+            out[i] = g
+    return treedef.unflatten(out)
+
+
+def _global_norm(grads, param_specs):
+    """sqrt(sum of squares) over the whole model: per device, each leaf's local sum is added over the mesh
+    axes its spec shards it on (experts over 'intra', layers over 'pipe'), so every element counts once."""
+    if param_specs is None:
+        return optax.tree.norm(grads)
+    total = jnp.zeros((), jnp.float32)
+    for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))):
+        used = tuple(a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry))
+        total = total + (lax.psum(jnp.sum(jnp.square(g)), used) if used else jnp.sum(jnp.square(g)))
+    return jnp.sqrt(total)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroOne:
+    """ZeRO-1 (parallel/zero.py) as an updater; it reduces the local gradients itself."""
+    zero: Zero1
+    mesh: jax.sharding.Mesh
+
+    def init(self, params, param_specs):
+        return self.zero.init(params, self.mesh, param_specs)
+
+    def state_specs(self, opt_state, param_specs):
+        return self.zero.state_specs(opt_state)
+
+    def step(self, params, grads, opt_state):
+        params, opt_state, stats = self.zero.step(params, grads, opt_state)
+        return params, opt_state, {"grad_norm": stats["grad_norm"]}
+
+
+# --------------------------------------------------------------------------------------------- the trainer
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """Everything the loop needs that is built once: config, plan, mesh, model graph, layout, updater, state
+    shapes and shardings."""
+    cfg: Config
+    plan: ParallelPlan
+    mesh: jax.sharding.Mesh
+    kernels: Kernels
+    graphdef: nnx.GraphDef
+    layout: Layout
+    updater: Replicated | ZeroOne
+    state_shardings: dict
+    abstract_state: dict
+
+    @property
+    def param_specs(self):
+        return _specs(self.state_shardings["params"])
+
+    def batch_sharding(self) -> NamedSharding:
+        return self.plan.batch_sharding(self.mesh)
+
+
+def build(cfg: Config, devices=None) -> Trainer:
+    """Plans the mesh and derives the state's shardings from the model's logical axes (nothing allocated)."""
+    plan = ParallelPlan.from_config(cfg)
+    mesh = plan.make_mesh(devices)
+    kernels = resolve_kernels(cfg, plan)
+    abstract_model = nnx.eval_shape(lambda: new_model(cfg, kernels))
+    graphdef, abstract_params = nnx.split(abstract_model)
+    param_shardings = plan.param_shardings(nnx.get_partition_spec(abstract_params), mesh)
+    param_specs = _specs(param_shardings)
+    replicated = NamedSharding(mesh, P())
+    if cfg.parallel.optimizer_sharding == OptimizerSharding.ZERO1:
+        t = cfg.train
+        shard_axes = (INTRA,) if mesh.shape[INTRA] > 1 else ()
+        zero = Zero1(lambda segments, length: make_flat_optimizer(t, flat_decay_mask(segments, length)), DATA,
+                     cfg.parallel.grad_comm, t.grad_clip or None, shard_axes=shard_axes,
+                     pad_multiple=ZERO_PAD_MULTIPLE)
+        updater = ZeroOne(zero, mesh)
+        abstract_opt = jax.eval_shape(lambda p: updater.init(p, param_specs), abstract_params)
+        opt_shardings = zero.state_shardings(mesh, abstract_opt)
+    else:
+        updater = Replicated(make_optimizer(cfg.train), cfg.parallel.grad_comm, cfg.train.grad_clip or None,
+                             plan.per_device, param_specs)
+        abstract_opt = jax.eval_shape(updater.init, abstract_params)
+        opt_shardings = optax.tree_map_params(updater.optimizer, lambda _, s: s, abstract_opt, param_shardings,
+                                              transform_non_params=lambda _: replicated)
+    shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
+    abstract = {"params": abstract_params, "opt_state": abstract_opt, "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    layout = make_layout(plan, num_heads=cfg.model.num_heads, num_experts=cfg.model.moe.num_experts)
+    return Trainer(cfg, plan, mesh, kernels, graphdef, layout, updater, shardings, abstract)
+
+
+def create_state(trainer: Trainer):
+    """Initialises the state directly with its shardings: no full copy ever sits on one device."""
+    cfg, kernels, shardings = trainer.cfg, trainer.kernels, trainer.state_shardings
+    params = jax.jit(lambda: nnx.state(new_model(cfg, kernels)), out_shardings=shardings["params"])()
+    if isinstance(trainer.updater, ZeroOne):
+        opt_state = trainer.updater.init(params, trainer.param_specs)
+    else:
+        opt_state = jax.jit(trainer.updater.init, out_shardings=shardings["opt_state"])(params)
+    return {"params": params, "opt_state": opt_state,
+            "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}
+
+
+def gradient_source(trainer: Trainer) -> gradients.GradientSource:
+    """autodiff, accumulate or pipeline, as the config says."""
+    cfg, plan = trainer.cfg, trainer.plan
+    if plan.pipe > 1:
+        p = cfg.parallel
+        return gradients.pipeline(trainer.graphdef, trainer.layout, param_specs=trainer.param_specs,
+                                  num_layers=cfg.model.num_moe_layers, num_stages=plan.pipe,
+                                  schedule=p.pipeline_schedule, num_microbatches=cfg.train.microbatches,
+                                  virtual_stages=p.virtual_stages, layers_over_pipe=plan.layers_over_pipe)
+    single = gradients.autodiff(gradients.model_loss(trainer.graphdef, trainer.layout), per_device=plan.per_device)
+    return gradients.accumulate(single, cfg.train.microbatches, per_device=plan.per_device)
+
+
+def _expert_load(metrics):
+    load = jnp.sum(metrics.pop("tokens_per_expert"), axis=0).astype(jnp.float32)
+    return jnp.max(load) / jnp.maximum(jnp.mean(load), 1.0)
+
+
+def _per_device(trainer: Trainer, fn, in_specs, out_specs):
+    """fn as one shard_map over the whole mesh when the step runs per device; else as it is."""
+    if not trainer.plan.per_device:
+        return fn
+    return jax.shard_map(fn, mesh=trainer.mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def make_train_step(trainer: Trainer):
+    """jit(state, batch) -> (state, metrics); the state is donated."""
+    source, updater = gradient_source(trainer), trainer.updater
+    schedule = learning_rate_schedule(trainer.cfg.train)
+
+    def body(params, opt_state, step, batch):
+        loss, metrics, grads = source(params, batch)
+        params, opt_state, stats = updater.step(params, grads, opt_state)
+        metrics.update(loss=loss, grad_norm=stats["grad_norm"], lr=schedule(step))
+        if "tokens_per_expert" in metrics:   # the pipeline returns only the weighted MoE loss (moe_loss)
+            metrics["expert_load_max_over_mean"] = _expert_load(metrics)
+        return params, opt_state, metrics
+
+    def step_fn(state, batch):
+        param_specs = trainer.param_specs
+        opt_specs = updater.state_specs(state["opt_state"], param_specs)
+        run = _per_device(trainer, body, (param_specs, opt_specs, P(), trainer.plan.batch_spec()),
+                          (param_specs, opt_specs, P()))
+        params, opt_state, metrics = run(state["params"], state["opt_state"], state["step"], batch)
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    batch = {"inputs": trainer.batch_sharding(), "targets": trainer.batch_sharding()}
+    return jax.jit(step_fn, in_shardings=(trainer.state_shardings, batch),
+                   out_shardings=(trainer.state_shardings, None), donate_argnums=0)
+
+
+def loss_and_metrics(trainer: Trainer):
+    """fn(params, batch) -> (loss, metrics) of the plain forward, per device where the step is (for eval,
+    analysis and tests); global values out."""
+    loss_fn = gradients.model_loss(trainer.graphdef, trainer.layout)
+    if not trainer.plan.per_device:
+        return loss_fn
+    # The plain forward holds the whole model on every stage: layers sharded over 'pipe' come in gathered.
+    specs = jax.tree.map(lambda s: P(*(None if e == PIPE else e for e in s)), trainer.param_specs,
+                         is_leaf=lambda x: isinstance(x, P))
+    return jax.shard_map(loss_fn, mesh=trainer.mesh, in_specs=(specs, trainer.plan.batch_spec()), out_specs=P())
+
+
+def make_eval_step(trainer: Trainer):
+    """jit(params, batch) -> the batch's mean cross-entropy."""
+    fn = loss_and_metrics(trainer)
+    batch = {"inputs": trainer.batch_sharding(), "targets": trainer.batch_sharding()}
+    return jax.jit(lambda params, b: fn(params, b)[1]["ce"], in_shardings=(trainer.state_shardings["params"], batch))
