@@ -103,16 +103,19 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=5)
     ap.add_argument("--set", default="", help="overrides for every run: key=value,key=value")
     ap.add_argument("--variant", action="append", default=[], help="NAME:key=value,... (extra runs)")
+    ap.add_argument("--no-default", action="store_true", help="run only the --variant rows")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="trace the last N steps of each run and add benchmarks/gpu_trace.py's breakdown")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     common = _parse_overrides(args.set)
-    variants = [("default", {})] + [(v.split(":", 1)[0], _parse_overrides(v.split(":", 1)[1]))
+    variants = ([] if args.no_default else [("default", {})]) + [(v.split(":", 1)[0], _parse_overrides(v.split(":", 1)[1]))
                                     for v in args.variant]
     results = []
     for name in args.configs.split(","):
         for variant, extra in variants:
             try:
-                row = bench_config(name, args.steps, args.log_every, {**common, **extra})
+                row = bench_config(name, args.steps, args.log_every, {**common, **extra}, args.profile_steps)
             except Exception as err:  # noqa: BLE001 - record the failure next to the other results
                 row = {"config": name, "overrides": {**common, **extra}, "error": f"{type(err).__name__}: {err}"[:800]}
             row["variant"] = variant

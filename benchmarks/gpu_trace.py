@@ -116,6 +116,7 @@ def breakdown(trace: dict, num_steps: int, top: int = 25) -> dict:
     n = len(per_gpu) * num_steps
     by_category: dict[str, float] = collections.Counter()
     by_name: dict[str, float] = collections.Counter()
+    sample_args: dict[str, dict] = {}   # one event's args per kernel name (the HLO op / scope it came from)
     busy = comm = exposed = 0.0
     for events in per_gpu.values():
         spans = [(e["ts"], e["ts"] + e.get("dur", 0.0), kernel_category(e.get("name", ""))) for e in events]
@@ -127,11 +128,12 @@ def breakdown(trace: dict, num_steps: int, top: int = 25) -> dict:
         for e, (lo, hi, c) in zip(events, spans):
             by_category[c] += hi - lo
             by_name[e.get("name", "")] += hi - lo
+            sample_args.setdefault(e.get("name", ""), {k: str(v)[:200] for k, v in (e.get("args") or {}).items()})
     ms = lambda us: round(us / n / 1e3, 3)  # noqa: E731 - per GPU per step, milliseconds
     return {
         "num_gpus": len(per_gpu), "num_steps": num_steps,
         "busy_ms": ms(busy), "comm_ms": ms(comm), "exposed_comm_ms": ms(exposed),
         "kernel_ms_by_category": {k: ms(v) for k, v in sorted(by_category.items())},
-        "top_kernels": [{"name": k[:160], "category": kernel_category(k), "ms": ms(v)}
+        "top_kernels": [{"name": k[:160], "category": kernel_category(k), "ms": ms(v), "args": sample_args.get(k, {})}
                         for k, v in by_name.most_common(top)],
     }

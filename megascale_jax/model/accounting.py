@@ -1,4 +1,4 @@
-"""Parameter and FLOP accounting from the config (analytic; tests check it against the built model).
+"""Parameter and FLOP accounting, read off the built model's abstract shapes (`nnx.eval_shape`: no memory).
 
 Training FLOPs per token = 3 x forward (backward = 2 x forward):
   matmuls: 2 FLOPs per active matmul parameter per token (attention projections, the dense FFN, the shared
@@ -8,6 +8,10 @@ Training FLOPs per token = 3 x forward (backward = 2 x forward):
 from __future__ import annotations
 
 import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,29 +32,34 @@ def _human(x: float) -> str:
     return f"{x:.0f} "
 
 
-def _attention_params(m) -> int:
-    head_dim = m.hidden // m.num_heads
-    return m.hidden * head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+def _abstract_params(m):
+    """The built model's parameters as shapes only (nothing allocated): {path: shape}."""
+    from flax import nnx
+
+    from megascale_jax.model.transformer import Transformer
+
+    model = nnx.eval_shape(lambda: Transformer(m, param_dtype=jnp.float32, compute_dtype=jnp.float32,
+                                               remat="none", rngs=nnx.Rngs(0)))
+    return {jax.tree_util.keystr(path): leaf.shape
+            for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model))}
 
 
 def model_size(m, seq_len: int) -> ModelSize:
-    """Counts for ModelConfig `m` at training sequence length `seq_len`."""
+    """Counts for ModelConfig `m` at training sequence length `seq_len`, read off the built model's shapes:
+    routed-expert leaves count top_k / num_experts of their size as active; the embedding table is a
+    lookup (no FLOPs) unless it is tied to the output head."""
     e = m.moe
-    norms = 2 * m.hidden
-    attn = _attention_params(m)
-    dense_ffn = 3 * m.hidden * m.dense_ffn
-    expert = 3 * m.hidden * e.expert_ffn
-    shared = 3 * m.hidden * e.num_shared_experts * (e.shared_expert_ffn or e.expert_ffn)
-    router = m.hidden * e.num_experts
-    embed = m.vocab_size * m.hidden
-    head = 0 if m.tie_embeddings else m.vocab_size * m.hidden
-    dense_layer = attn + dense_ffn + norms
-    moe_total = attn + e.num_experts * expert + shared + router + norms
-    moe_active = attn + e.top_k * expert + shared + router + norms
-    total = m.num_dense_layers * dense_layer + m.num_moe_layers * moe_total + embed + head + m.hidden
-    active = m.num_dense_layers * dense_layer + m.num_moe_layers * moe_active + embed + head + m.hidden
-    matmul_active = (m.num_dense_layers * (attn + dense_ffn) + m.num_moe_layers * (attn + e.top_k * expert + shared
-                     + router) + m.vocab_size * m.hidden)
+    shapes = _abstract_params(m)
+    total = active = matmul_active = 0
+    for path, shape in shapes.items():
+        size = int(np.prod(shape))
+        share = e.top_k / e.num_experts if "['experts']" in path else 1.0
+        total += size
+        active += round(size * share)
+        is_lookup = "['embed_tokens']" in path and not m.tie_embeddings
+        stacked = "['moe_blocks']" in path or "['dense_blocks']" in path   # a leading [layers] axis
+        if len(shape) - stacked >= 2 and not is_lookup:   # matrices; norms' scales are not matmuls
+            matmul_active += size * share
     attn_core = 2 * seq_len * m.num_heads * (m.hidden // m.num_heads) * m.num_layers
     flops = 3 * (2 * matmul_active + attn_core)
     return ModelSize(total, active, float(flops))
