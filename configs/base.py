@@ -82,6 +82,9 @@ def get_config() -> ConfigDict:
     c.train.param_dtype = "float32"   # master weights
     c.train.compute_dtype = "bfloat16"
     c.train.remat = "none"            # none | full | selective
+    # Layers per iteration of the scanned layer stacks. 1 keeps compile time flat in depth; a full unroll
+    # (>= num_layers) drops the loop's stacked residual and gradient buffers (zero-filled, then slice-updated).
+    c.train.scan_unroll = 1
     c.train.seed = 0
     c.train.log_every = 10
     c.train.eval_every = 50

@@ -113,6 +113,7 @@ class TrainConfig:
     param_dtype: str
     compute_dtype: str
     remat: str
+    scan_unroll: int
     seed: int
     log_every: int
     eval_every: int
@@ -334,6 +335,8 @@ def validate(cfg: Config) -> None:
     _check(t.steps > 0 and t.global_batch > 0 and t.seq_len > 0, "config.train.steps, global_batch and seq_len "
            "must be positive.")
     _check(0 <= t.warmup_steps <= t.steps, f"config.train.warmup_steps={t.warmup_steps} must be in [0, steps].")
+    _check(t.scan_unroll >= 1, f"config.train.scan_unroll={t.scan_unroll} must be >= 1 (1 = one layer per loop "
+           "iteration; >= num_layers unrolls the layer loop).")
     _check(t.microbatches >= 1, f"config.train.microbatches={t.microbatches} must be >= 1 (1 = no gradient "
            "accumulation).")
     _check(p.data == -1 or p.data >= 1, f"config.parallel.data={p.data}: use -1 (all remaining devices) or >= 1.")

@@ -60,7 +60,7 @@ def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
 def new_model(cfg: Config, kernels: Kernels = Kernels()) -> Transformer:
     return Transformer(cfg.model, param_dtype=DTYPES[cfg.train.param_dtype],
                        compute_dtype=DTYPES[cfg.train.compute_dtype], remat=cfg.train.remat, kernels=kernels,
-                       rngs=nnx.Rngs(params=cfg.train.seed))
+                       scan_unroll=cfg.train.scan_unroll, rngs=nnx.Rngs(params=cfg.train.seed))
 
 
 def _specs(shardings):

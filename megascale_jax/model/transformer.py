@@ -98,25 +98,31 @@ def _stacked_blocks(cfg, count: int, moe: bool, param_dtype, kernels: Kernels, r
     return create(rngs)
 
 
-def scan_body(stack: nnx.Module, layout, remat: str):
+def scan_body(stack: nnx.Module, layout, remat: str, unrolled: bool = False):
     """(body(x, layer_state) -> (x, stats), the stack's state): one block of a stacked stack, with the remat
-    policy applied. The one place remat is applied: the plain scan and the pipeline's layers both use it."""
+    policy applied. The one place remat is applied: the plain scan and the pipeline's layers both use it.
+
+    unrolled: the caller runs the blocks as straight-line code (no loop between a block's forward and its
+    backward). Then the recomputation must be protected from common-subexpression elimination, or XLA
+    merges it with the forward and silently keeps every activation (measured: remat 'full' then ran as
+    fast as 'none'); inside a loop the loop boundary already separates them (prevent_cse=False is cheaper)."""
     graphdef, state = nnx.split(stack)   # a stacked Block's graph merges with one layer's state
 
     def body(x, layer_state):
         return nnx.merge(graphdef, layer_state)(x, layout)
 
     if remat != Remat.NONE:
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=unrolled)
     return body, state
 
 
 class Transformer(nnx.Module):
     def __init__(self, cfg, *, param_dtype, compute_dtype, remat: str, kernels: Kernels = Kernels(),
-                 rngs: nnx.Rngs):
-        """cfg: a resolved ModelConfig. kernels: resolved implementations (megascale_jax/step.py picks them)."""
+                 scan_unroll: int = 1, rngs: nnx.Rngs):
+        """cfg: a resolved ModelConfig. kernels: resolved implementations (megascale_jax/step.py picks them).
+        scan_unroll: layers per iteration of the scanned stacks (>= the layer count: no loop at all)."""
         m = cfg
-        self.cfg, self.compute_dtype, self.remat = m, compute_dtype, remat
+        self.cfg, self.compute_dtype, self.remat, self.scan_unroll = m, compute_dtype, remat, scan_unroll
         self.embed_tokens = Embedding(m.vocab_size, m.hidden, param_dtype, rngs)
         self.dense_blocks = _stacked_blocks(m, m.num_dense_layers, False, param_dtype, kernels, rngs)
         self.moe_blocks = _stacked_blocks(m, m.num_moe_layers, True, param_dtype, kernels, rngs)
@@ -129,14 +135,17 @@ class Transformer(nnx.Module):
         """Token embedding, then the leading dense blocks (stage 0 of a pipeline holds them whole)."""
         x = self.embed_tokens(tokens_BS, self.compute_dtype)
         if self.dense_blocks is not None:
-            body, state = scan_body(self.dense_blocks, layout, self.remat)
-            x, _ = jax.lax.scan(body, x, state)
+            x, _ = self._scan(self.dense_blocks, x, layout)
         return x
 
     def blocks(self, x_BSD, layout):
         """The MoE stack; returns x and per-layer stats stacked on a leading [layers] axis."""
-        body, state = scan_body(self.moe_blocks, layout, self.remat)
-        return jax.lax.scan(body, x_BSD, state)
+        return self._scan(self.moe_blocks, x_BSD, layout)
+
+    def _scan(self, stack, x_BSD, layout):
+        num_layers = jax.tree.leaves(nnx.state(stack))[0].shape[0]
+        body, state = scan_body(stack, layout, self.remat, unrolled=self.scan_unroll >= num_layers)
+        return jax.lax.scan(body, x_BSD, state, unroll=min(self.scan_unroll, num_layers))
 
     def logits(self, x_BSD):
         """Final norm and output head -> float32 logits."""

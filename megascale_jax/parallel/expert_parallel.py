@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from megascale_jax.parallel import collectives
+from megascale_jax.parallel.permute import inverse_permutation, permute_rows, repeat_rows_sorted
 
 DISPATCH_MODES = ("all_to_all", "all_gather")
 
@@ -135,8 +136,7 @@ def expert_parallel_wire_bytes(*, num_tokens: int, top_k: int, num_experts: int,
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _inverse_permutation(perm_R):
-    return jnp.zeros_like(perm_R).at[perm_R].set(jnp.arange(perm_R.shape[0], dtype=perm_R.dtype))
+_inverse_permutation = inverse_permutation
 
 
 def _sentinel_invalid(expert_A, num_experts):
@@ -198,12 +198,12 @@ def dispatch_local(x_TD, expert_idx_TK, *, num_experts: int, capacity: int | Non
     if capacity is not None:
         kept_A = kept_A & (_inverse_permutation(order_A) < capacity)
     dropped = (expert_A.shape[0] - kept_E.sum()).astype(jnp.int32)
-    return x_TD[order_A // top_k], kept_E, LocalResidual(order_A, kept_A, dropped, counts_E)
+    return repeat_rows_sorted(x_TD, order_A, top_k), kept_E, LocalResidual(order_A, kept_A, dropped, counts_E)
 
 
 def combine_local(y_MD, residual: LocalResidual, weight_TK):
     """Inverse of `dispatch_local` (a gather, not a scatter), then the weighted sum over k; x's dtype."""
-    y_AD = y_MD[_inverse_permutation(residual.order_A)]
+    y_AD = permute_rows(y_MD, _inverse_permutation(residual.order_A))
     return weighted_sum_over_k(y_AD, residual.kept_A, weight_TK).astype(y_MD.dtype)
 
 
@@ -245,7 +245,7 @@ def dispatch_all_to_all(x_TD, expert_idx_TK, *, axis, num_experts: int, capacity
     recv_counts_NG = collectives.exchange_counts(kept_NG, axis)
     x_recv_NCD = collectives.exchange_tokens(x_send_NCD, axis)
     perm_R, valid_R, group_sizes_G = _receiver_order(recv_counts_NG, capacity)
-    x_sorted_RD = x_recv_NCD.reshape(n * capacity, -1)[perm_R]
+    x_sorted_RD = permute_rows(x_recv_NCD.reshape(n * capacity, -1), perm_R)
 
     # Where each (token, k) row will sit in the returned buffers.
     dest_A = expert_A // num_local  # n for invalid ids
@@ -274,7 +274,8 @@ def _receiver_order(recv_counts_NG, capacity: int):
 def combine_all_to_all(y_sorted_RD, residual: AllToAllResidual, weight_TK, *, axis):
     """Rows back to their source ranks (the mirror all_to_all), then the sender's weighted sum over k."""
     n = lax.axis_size(axis)
-    y_recv_RD = jnp.where(residual.valid_R[:, None], y_sorted_RD[_inverse_permutation(residual.perm_R)], 0)
+    y_recv_RD = jnp.where(residual.valid_R[:, None], permute_rows(y_sorted_RD, _inverse_permutation(residual.perm_R)),
+                          0)
     y_back_NCD = collectives.exchange_tokens(y_recv_RD.astype(y_sorted_RD.dtype).reshape(n, -1, y_recv_RD.shape[-1]),
                                              axis)
     y_AD = y_back_NCD.reshape(-1, y_back_NCD.shape[-1])[residual.slot_A]
