@@ -44,11 +44,16 @@ class Attention(nnx.Module):
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, rope_theta: float, param_dtype,
                  rngs: nnx.Rngs, *, implementation: str = "xla"):
         head_dim = dim // num_heads
-        self.wq_DHK = param(rngs, (dim, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
-        self.wk_DGK = param(rngs, (dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
-        self.wv_DGK = param(rngs, (dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
+        # Fan-in: the contracted dims of each einsum: D for q/k/v ("bsd,dhk"), H*K for o ("bshk,hkd").
+        # With unit-RMS x, q and k then have unit-variance entries and q.k/sqrt(K) has std ~1 at init.
+        self.wq_DHK = param(rngs, (dim, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype,
+                            fan_in_axes=(0,))
+        self.wk_DGK = param(rngs, (dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype,
+                            fan_in_axes=(0,))
+        self.wv_DGK = param(rngs, (dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype,
+                            fan_in_axes=(0,))
         self.wo_HKD = param(rngs, (num_heads, head_dim, dim), ("heads", "head_dim", "embed"), param_dtype,
-                            scale=(num_heads * head_dim) ** -0.5)
+                            fan_in_axes=(0, 1))
         self.rope_theta, self.implementation = rope_theta, implementation
 
     def __call__(self, x_BSD, comm):

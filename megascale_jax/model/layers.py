@@ -2,18 +2,49 @@
 dense SwiGLU MLP."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 
-def param(rngs: nnx.Rngs, shape, axes: tuple[str | None, ...], dtype, scale: float | None = None) -> nnx.Param:
-    """A truncated-normal parameter with std 1/sqrt(fan_in) (fan_in = first dim unless `scale` is given).
+def _truncated_normal_std(bound: float) -> float:
+    """Std of a standard normal truncated to [-bound, bound]: sqrt(1 - 2 b phi(b) / (Phi(b) - Phi(-b))),
+    with phi the standard normal density and Phi(b) - Phi(-b) = erf(b / sqrt(2)). 0.8796 for b = 2."""
+    density = math.exp(-bound * bound / 2) / math.sqrt(2 * math.pi)
+    return math.sqrt(1.0 - 2.0 * bound * density / math.erf(bound / math.sqrt(2)))
+
+
+TRUNCATION = 2.0                                        # in units of the underlying unit normal
+TRUNCATED_NORMAL_STD = _truncated_normal_std(TRUNCATION)
+
+
+def param(rngs: nnx.Rngs, shape, axes: tuple[str | None, ...], dtype, *,
+          fan_in_axes: tuple[int, ...] | None = None, scale: float | None = None) -> nnx.Param:
+    """A truncated-normal parameter whose std is exactly `scale`, or 1/sqrt(fan_in) with fan_in the product
+    of the dims `fan_in_axes` (positions in `shape`: the dims the weight is contracted over in its einsum).
+
+    Exactly one of the two is given, by every caller: the contracted dims cannot be guessed from the shape
+    (the last-but-one dim is the hidden size of a [D, F] weight but the head count of a [D, H, K] one, which
+    made q 10x and k/v 20x too large at Mixtral shapes and saturated the softmax at init). A layer stacked with
+    nnx.vmap calls this with the per-layer shape, so the positions never include the layers axis.
+
+    jax.random.truncated_normal(-2, 2) has std TRUNCATED_NORMAL_STD (0.88), not 1: the draw is divided by it
+    so the stated std is the parameter's std (the cut then lies at +-2.27 std, as in flax's
+    variance_scaling initialisers).
 
     Logical axes only, never a sharding at creation (eager_sharding=False): creating a module needs no mesh;
     megascale_jax/step.py creates the state with its shardings by jitting the initializer."""
-    std = scale if scale is not None else shape[-2 if len(shape) > 1 else 0] ** -0.5
-    value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+    if (fan_in_axes is None) == (scale is None):
+        raise ValueError(f"param of shape {shape}: give exactly one of fan_in_axes (the contracted dims) or scale")
+    if scale is None:
+        if not fan_in_axes or any(not 0 <= a < len(shape) for a in fan_in_axes) \
+                or len(set(fan_in_axes)) != len(fan_in_axes):
+            raise ValueError(f"fan_in_axes {fan_in_axes} are not distinct dims of shape {shape}")
+        scale = math.prod(shape[a] for a in fan_in_axes) ** -0.5
+    unit = jax.random.truncated_normal(rngs.params(), -TRUNCATION, TRUNCATION, shape, jnp.float32)
+    value = (scale / TRUNCATED_NORMAL_STD) * unit
     return nnx.Param(value.astype(dtype), out_sharding=axes, eager_sharding=False)
 
 
@@ -77,9 +108,10 @@ class DenseMLP(nnx.Module):
     """SwiGLU MLP: down(silu(x @ gate) * (x @ up)). Used for dense layers and shared experts."""
 
     def __init__(self, dim: int, ffn: int, param_dtype, rngs: nnx.Rngs, ffn_axis: str = "ffn"):
-        self.w_gate_DF = param(rngs, (dim, ffn), ("embed", ffn_axis), param_dtype)
-        self.w_up_DF = param(rngs, (dim, ffn), ("embed", ffn_axis), param_dtype)
-        self.w_down_FD = param(rngs, (ffn, dim), (ffn_axis, "embed"), param_dtype)
+        # Fan-in: the contracted dim of each matmul (D for gate/up, F for down).
+        self.w_gate_DF = param(rngs, (dim, ffn), ("embed", ffn_axis), param_dtype, fan_in_axes=(0,))
+        self.w_up_DF = param(rngs, (dim, ffn), ("embed", ffn_axis), param_dtype, fan_in_axes=(0,))
+        self.w_down_FD = param(rngs, (ffn, dim), (ffn_axis, "embed"), param_dtype, fan_in_axes=(0,))
 
     def __call__(self, x_TD):
         dt = x_TD.dtype

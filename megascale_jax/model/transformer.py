@@ -128,7 +128,8 @@ class Transformer(nnx.Module):
         self.moe_blocks = _stacked_blocks(m, m.num_moe_layers, True, param_dtype, kernels, rngs)
         self.final_norm = RMSNorm(m.hidden, m.norm_eps, param_dtype)
         if not m.tie_embeddings:
-            self.head_DV = param(rngs, (m.hidden, m.vocab_size), ("embed", "vocab"), param_dtype)
+            self.head_DV = param(rngs, (m.hidden, m.vocab_size), ("embed", "vocab"), param_dtype,
+                                 fan_in_axes=(0,))   # contracted over D
 
     # ------------------------------------------------------------------ stages
     def embed(self, tokens_BS, layout):

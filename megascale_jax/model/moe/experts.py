@@ -92,9 +92,14 @@ class SwiGLUExperts(nnx.Module):
     """The E experts' parameters; under EP a rank holds E/n of them, under TP an F/n slice of each."""
 
     def __init__(self, num_experts: int, dim: int, ffn: int, param_dtype, rngs: nnx.Rngs):
-        self.w_gate_EDF = param(rngs, (num_experts, dim, ffn), ("experts", "embed", "expert_ffn"), param_dtype)
-        self.w_up_EDF = param(rngs, (num_experts, dim, ffn), ("experts", "embed", "expert_ffn"), param_dtype)
-        self.w_down_EFD = param(rngs, (num_experts, ffn, dim), ("experts", "expert_ffn", "embed"), param_dtype)
+        # Fan-in: the contracted dim of each expert's matmul, D for gate/up and F for down; never the expert
+        # axis E, which is batched over, not contracted.
+        self.w_gate_EDF = param(rngs, (num_experts, dim, ffn), ("experts", "embed", "expert_ffn"), param_dtype,
+                                fan_in_axes=(1,))
+        self.w_up_EDF = param(rngs, (num_experts, dim, ffn), ("experts", "embed", "expert_ffn"), param_dtype,
+                              fan_in_axes=(1,))
+        self.w_down_EFD = param(rngs, (num_experts, ffn, dim), ("experts", "expert_ffn", "embed"), param_dtype,
+                                fan_in_axes=(1,))
 
     def weights(self) -> ExpertWeights:
         return ExpertWeights(self.w_gate_EDF[...], self.w_up_EDF[...], self.w_down_EFD[...])

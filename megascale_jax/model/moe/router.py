@@ -71,7 +71,7 @@ class Router(nnx.Module):
     def __init__(self, dim: int, num_experts: int, top_k: int, renormalize: bool, group_size: int,
                  rngs: nnx.Rngs):
         # Router weights stay float32 regardless of param dtype: the top-k choice is precision-sensitive.
-        self.w_DE = param(rngs, (dim, num_experts), ("embed", None), jnp.float32)
+        self.w_DE = param(rngs, (dim, num_experts), ("embed", None), jnp.float32, fan_in_axes=(0,))  # D
         self.top_k, self.renormalize, self.group_size = top_k, renormalize, group_size
 
     def __call__(self, x_TD, token_mean=_local_mean) -> Routing:
