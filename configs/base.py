@@ -85,6 +85,10 @@ def get_config() -> ConfigDict:
     # Layers per iteration of the scanned layer stacks. 1 keeps compile time flat in depth; a full unroll
     # (>= num_layers) drops the loop's stacked residual and gradient buffers (zero-filled, then slice-updated).
     c.train.scan_unroll = 1
+    # A step whose loss or gradient is NaN/Inf: stop (end the run, exit non-zero, never checkpoint it) or skip
+    # (leave parameters and optimizer state as they were, count it in metrics.nonfinite_steps).
+    c.train.nonfinite = "stop"
+    c.train.loss_spike_factor = 3.0   # a logged loss above this x the median of the last 20 counts as a spike
     c.train.seed = 0
     c.train.log_every = 10
     c.train.eval_every = 50

@@ -6,10 +6,18 @@ compute the global norm themselves, because per device each holds only shards of
 """
 from __future__ import annotations
 
+from enum import StrEnum
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+
+class NonFinite(StrEnum):
+    """What a step with a non-finite loss or gradient does (megascale_jax/step.py detects it on device)."""
+    STOP = "stop"    # the update is applied as computed; the loop stops at its next sync, never checkpointing it
+    SKIP = "skip"    # parameters and optimizer state stay as they were; the step is counted
 
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:

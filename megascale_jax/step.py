@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax import lax
@@ -32,8 +33,8 @@ from megascale_jax.config import Config, DType
 from megascale_jax.model.attention import resolve_attention_impl
 from megascale_jax.model.moe.experts import resolve_grouped_gemm
 from megascale_jax.model.transformer import Kernels, Transformer
-from megascale_jax.optim import clip_by_norm, flat_decay_mask, learning_rate_schedule, make_flat_optimizer, \
-    make_optimizer
+from megascale_jax.optim import NonFinite, clip_by_norm, flat_decay_mask, learning_rate_schedule, \
+    make_flat_optimizer, make_optimizer
 from megascale_jax.parallel import grad_comm
 from megascale_jax.parallel.collectives import varying_axes
 from megascale_jax.parallel.layouts import Layout, make_layout
@@ -192,8 +193,9 @@ def build(cfg: Config, devices=None) -> Trainer:
         abstract_opt = jax.eval_shape(updater.init, abstract_params)
         opt_shardings = optax.tree_map_params(updater.optimizer, lambda _, s: s, abstract_opt, param_shardings,
                                               transform_non_params=lambda _: replicated)
-    shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
-    abstract = {"params": abstract_params, "opt_state": abstract_opt, "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated, "nonfinite": replicated}
+    abstract = {"params": abstract_params, "opt_state": abstract_opt, "step": jax.ShapeDtypeStruct((), jnp.int32),
+                "nonfinite": jax.ShapeDtypeStruct((2,), jnp.int32)}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     layout = make_layout(plan, num_heads=cfg.model.num_heads, num_experts=cfg.model.moe.num_experts)
     return Trainer(cfg, plan, mesh, kernels, graphdef, layout, updater, shardings, abstract)
@@ -208,7 +210,22 @@ def create_state(trainer: Trainer):
     else:
         opt_state = jax.jit(trainer.updater.init, out_shardings=shardings["opt_state"])(params)
     return {"params": params, "opt_state": opt_state,
-            "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}
+            "step": jax.device_put(np.zeros((), np.int32), shardings["step"]),
+            "nonfinite": jax.device_put(np.array([0, -1], np.int32), shardings["nonfinite"])}
+# state["nonfinite"] = [number of steps with a non-finite loss or gradient, the first such step (-1: none)]
+# (from numpy each time: a device_put of one shared jax array would hand every state the same buffer,
+# which the donated step deletes).
+
+
+def _all_finite(loss, grads, per_device: bool):
+    """Whether the loss and every gradient element are finite, on every device (one scalar collective)."""
+    ok = jnp.isfinite(loss)
+    for g in jax.tree.leaves(grads):   # a sum is non-finite iff some element is (or the sum overflows)
+        ok = ok & jnp.isfinite(jnp.sum(g.astype(jnp.float32)))
+    if not per_device:
+        return ok
+    ok = ok.astype(jnp.int32)
+    return lax.pmin(ok, tuple(varying_axes(ok))) > 0 if varying_axes(ok) else ok > 0
 
 
 def gradient_source(trainer: Trainer) -> gradients.GradientSource:
@@ -240,22 +257,32 @@ def make_train_step(trainer: Trainer):
     """jit(state, batch) -> (state, metrics); the state is donated."""
     source, updater = gradient_source(trainer), trainer.updater
     schedule = learning_rate_schedule(trainer.cfg.train)
+    skip = trainer.cfg.train.nonfinite == NonFinite.SKIP
 
-    def body(params, opt_state, step, batch):
+    def body(params, opt_state, step, nonfinite, batch):
         loss, metrics, grads = source(params, batch)
-        params, opt_state, stats = updater.step(params, grads, opt_state)
-        metrics.update(loss=loss, grad_norm=stats["grad_norm"], lr=schedule(step))
+        finite = _all_finite(loss, grads, trainer.plan.per_device)
+        if skip:   # a cond, not a select: the skipped update costs nothing and reads no state twice
+            params, opt_state, stats = lax.cond(
+                finite, lambda: updater.step(params, grads, opt_state),
+                lambda: (params, opt_state, {"grad_norm": jnp.full((), jnp.nan, jnp.float32)}))
+        else:
+            params, opt_state, stats = updater.step(params, grads, opt_state)
+        bad = (~finite).astype(jnp.int32)
+        nonfinite = jnp.stack([nonfinite[0] + bad, jnp.where((nonfinite[1] < 0) & (bad > 0), step, nonfinite[1])])
+        metrics.update(loss=loss, grad_norm=stats["grad_norm"], lr=schedule(step), nonfinite_steps=nonfinite[0])
         if "tokens_per_expert" in metrics:   # the pipeline returns only the weighted MoE loss (moe_loss)
             metrics["expert_load_max_over_mean"] = _expert_load(metrics)
-        return params, opt_state, metrics
+        return params, opt_state, nonfinite, metrics
 
     def step_fn(state, batch):
         param_specs = trainer.param_specs
         opt_specs = updater.state_specs(state["opt_state"], param_specs)
-        run = _per_device(trainer, body, (param_specs, opt_specs, P(), trainer.plan.batch_spec()),
-                          (param_specs, opt_specs, P()))
-        params, opt_state, metrics = run(state["params"], state["opt_state"], state["step"], batch)
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        run = _per_device(trainer, body, (param_specs, opt_specs, P(), P(), trainer.plan.batch_spec()),
+                          (param_specs, opt_specs, P(), P()))
+        params, opt_state, nonfinite, metrics = run(state["params"], state["opt_state"], state["step"],
+                                                    state["nonfinite"], batch)
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "nonfinite": nonfinite}, metrics
 
     batch = {"inputs": trainer.batch_sharding(), "targets": trainer.batch_sharding()}
     return jax.jit(step_fn, in_shardings=(trainer.state_shardings, batch),

@@ -7,7 +7,12 @@ The default config is the tiny CPU model on the built-in real-text corpus.
 """
 from __future__ import annotations
 
+import collections
+import difflib
+import importlib.util
 import os
+import re
+import statistics
 import sys
 
 from absl import app, flags
@@ -21,7 +26,7 @@ from megascale_jax import config as config_lib
 from megascale_jax import data as data_lib
 from megascale_jax import metrics as metrics_lib
 from megascale_jax import step as step_lib
-from megascale_jax.checkpoint import Checkpointer
+from megascale_jax.checkpoint import Checkpointer, CheckpointError
 from megascale_jax.model.accounting import model_size
 from megascale_jax.parallel import distributed
 from megascale_jax.parallel.pipeline_schedules import schedule_summary
@@ -40,6 +45,24 @@ def global_batch(sampler: data_lib.BatchSampler, step: int, split: str, sharding
 
     return {name: jax.make_array_from_callback(shape, sharding, lambda idx, n=name: rows(idx)[n][:, idx[1]])
             for name in ("inputs", "targets")}
+
+
+class DivergenceError(RuntimeError):
+    """A step's loss or gradient was not finite under train.nonfinite='stop'; the message says where and what next."""
+
+
+def _check_finite(cfg, state, done: int, ckpt) -> int:
+    """Number of non-finite steps so far (one small device read, only at log / checkpoint / last steps);
+    under 'stop' any is a DivergenceError naming the step and the last good checkpoint."""
+    count, first = (int(x) for x in jax.device_get(state["nonfinite"]))
+    if count and cfg.train.nonfinite == "stop":
+        good = ckpt.latest_step() if ckpt is not None else None
+        where = f"{cfg.checkpoint.dir} step {good}" if good is not None else "none (no checkpoint.dir or none saved)"
+        raise DivergenceError(
+            f"step {first}: the loss or a gradient is not finite (train.nonfinite='stop'); stopped after step {done}, "
+            f"no checkpoint written from it. Last good checkpoint: {where}. Restart from it with a lower "
+            "train.learning_rate (or tighter train.grad_clip), or set --config.train.nonfinite=skip.")
+    return count
 
 
 # ------------------------------------------------------------------------------------------------ loop
@@ -76,7 +99,7 @@ def run(cfg: config_lib.Config, *, profile: bool = False, devices=None, stop_aft
     bar = metrics_lib.ProgressBar(cfg.train.steps, start) if jax.process_index() == 0 else None
     timer = metrics_lib.StepTimer(tokens_per_step=cfg.train.global_batch * cfg.train.seq_len)
     profile_start = cfg.profile.start_step if cfg.profile.start_step >= 0 else (5 if profile else -1)
-    logged = []
+    logged, recent_losses, spikes = [], collections.deque(maxlen=20), 0
     for step in range(start, min(cfg.train.steps, stop_after or cfg.train.steps)):
         if step == profile_start:
             jax.block_until_ready(state)   # the trace starts at a step boundary, not inside the previous step
@@ -86,8 +109,17 @@ def run(cfg: config_lib.Config, *, profile: bool = False, devices=None, stop_aft
             jax.block_until_ready(state)
             jax.profiler.stop_trace()
         done = step + 1
+        last = done == min(cfg.train.steps, stop_after or cfg.train.steps)
+        saving = ckpt is not None and cfg.checkpoint.every and done % cfg.checkpoint.every == 0
+        if done % cfg.train.log_every == 0 or last or done == start + 1 or saving:
+            _check_finite(cfg, state, done, ckpt)
         if done % cfg.train.log_every == 0 or done == cfg.train.steps or done == start + 1:
             record = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            # Loss spikes are reported, not acted on: above loss_spike_factor x the median of recent logged losses.
+            if len(recent_losses) >= 3 and record["loss"] > cfg.train.loss_spike_factor * statistics.median(recent_losses):
+                spikes += 1
+            recent_losses.append(record["loss"])
+            record["loss_spikes"] = spikes
             tokens_per_s = timer.lap(done, metrics)
             record["tokens_per_s"] = tokens_per_s
             record["mfu"] = metrics_lib.model_flops_utilization(size.train_flops_per_token, tokens_per_s,
@@ -140,6 +172,7 @@ def define_flags() -> None:
     flags.DEFINE_string("coordinator", None, "host:port of process 0 (multi-host without SLURM).")
     flags.DEFINE_integer("num_processes", None, "Process count (multi-host without SLURM).")
     flags.DEFINE_integer("process_id", None, "This process's index (multi-host without SLURM).")
+    flags.DEFINE_bool("debug", False, "Show the traceback of user errors (config, data, checkpoint, divergence).")
 
 
 def _steps_banner(cfg) -> str:
@@ -153,17 +186,58 @@ def _steps_banner(cfg) -> str:
             f"bubble {bubble['bubble_fraction_formula']:.1%}" + optimizer)
 
 
+# User errors end the run with one line and exit code 2 (3 for divergence); --debug shows the traceback.
+USER_ERRORS = ((config_lib.ConfigError, "config error"), (data_lib.DataError, "data error"),
+               (CheckpointError, "checkpoint error"), (DivergenceError, "diverged"))
+
+
 def main(argv) -> None:
     del argv
     f = flags.FLAGS
     distributed.initialize(f.coordinator, f.num_processes, f.process_id)
     try:
-        cfg = config_lib.from_config_dict(f.config, num_devices=jax.device_count())
-    except config_lib.ConfigError as err:
-        sys.exit(f"config error: {err}")
-    run(cfg, profile=f.profile)
+        run(config_lib.from_config_dict(f.config, num_devices=jax.device_count()), profile=f.profile)
+    except tuple(kind for kind, _ in USER_ERRORS) as err:
+        if f.debug:
+            raise
+        label = next(name for kind, name in USER_ERRORS if isinstance(err, kind))
+        print(f"{label}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        sys.exit(3 if isinstance(err, DivergenceError) else 2)
+
+
+def precheck_config_overrides(argv: list[str]) -> str | None:
+    """The one-line error for a `--config.<key>=` override naming no key of the config file, before absl's
+    flag parser turns it into chained tracebacks; None when every override names a known key."""
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if path is None and "--config" in argv[:-1]:
+        path = argv[argv.index("--config") + 1]
+    path = (path or "configs/tiny_cpu.py").split(":")[0]
+    if not os.path.isfile(path):
+        return f"config error: --config={path} is not a file; pass a config such as configs/tiny_cpu.py"
+    spec = importlib.util.spec_from_file_location("_megascale_user_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    known = _dotted_keys(module.get_config().to_dict())
+    for arg in argv:
+        match = re.match(r"--config\.([\w.]+)(=|$)", arg)
+        if match and match.group(1) not in known:
+            close = difflib.get_close_matches(match.group(1), sorted(known), n=1)
+            hint = f"; did you mean config.{close[0]}?" if close else "; configs/base.py lists every key"
+            return f"config error: unknown config key config.{match.group(1)}{hint}"
+    return None
+
+
+def _dotted_keys(tree: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in tree.items():
+        out |= _dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key}
+    return out
 
 
 if __name__ == "__main__":
     define_flags()
+    problem = None if "--debug" in sys.argv else precheck_config_overrides(sys.argv[1:])
+    if problem:
+        print(problem, file=sys.stderr)
+        sys.exit(2)
     app.run(main)
