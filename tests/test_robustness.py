@@ -67,24 +67,34 @@ def test_a_diverging_run_stops_and_never_checkpoints_nan(tmp_path):
         assert not nonfinite_leaves(state)
 
 
-@pytest.mark.parametrize("plan, devices", [({}, 1), ({}, 8), ({"parallel.plan": "manual"}, 8),
-                                           ({"parallel.plan": "manual", "parallel.intra": 4}, 8)])
-def test_capacity_drops_are_counted_under_every_plan(plan, devices):
-    """capacity_factor = 0.25: a device (the global view under XLA) keeps ceil(c T K) rows per layer, an EP rank
-    ceil(c T K / n) per destination; the rest is dropped and counted, never ignored."""
-    cfg = default_config("tiny_cpu", num_devices=devices, **{**SMALL, **plan, "model.moe.capacity_factor": 0.25})
+def _capacity_run(plan, devices, factor=0.25):
+    cfg = default_config("tiny_cpu", num_devices=devices, **{**SMALL, **plan, "model.moe.capacity_factor": factor})
     trainer = step.build(cfg, jax.devices()[:devices])
     params = step.create_state(trainer)["params"]
-    _, metrics = jax.jit(step.loss_and_metrics(trainer))(params, _batch(cfg, trainer, 0))
+    loss, metrics = jax.jit(step.loss_and_metrics(trainer))(params, _batch(cfg, trainer, 0))
+    return cfg, trainer, float(loss), jax.device_get(metrics)
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_capacity_drops_equal_under_the_xla_and_the_manual_plan(devices):
+    """capacity_factor = 0.25 on one device or 8 data-parallel ones: each device's tokens keep ceil(c T K) rows
+    per layer (highest experts drop first); the XLA plan's global view drops and counts exactly the same."""
+    cfg, trainer, xla_loss, xla = _capacity_run({}, devices)
+    _, _, manual_loss, manual = _capacity_run({"parallel.plan": "manual"}, devices)
     t, k, layers = cfg.train.global_batch * cfg.train.seq_len, cfg.model.moe.top_k, cfg.model.num_moe_layers
-    dropped = int(metrics["dropped_tokens"])
-    if trainer.plan.intra == 1:
-        groups = trainer.plan.data if trainer.plan.per_device else 1   # the local sort runs per device / globally
-        rows = t * k // groups
-        assert dropped == layers * groups * (rows - int(np.ceil(0.25 * rows)))
-    else:
-        assert 0 < dropped < layers * t * k
-    assert int(np.sum(metrics["tokens_per_expert"])) == layers * t * k   # routed before any drop
+    rows = t * k // devices
+    assert int(xla["dropped_tokens"]) == int(manual["dropped_tokens"]) == layers * devices * (rows - int(np.ceil(0.25 * rows)))
+    assert xla_loss == pytest.approx(manual_loss, rel=1e-5)
+    _, _, dropless_loss, _ = _capacity_run({}, devices, factor=0.0)
+    assert abs(xla_loss - dropless_loss) > 1e-4   # the drops change the computation: not ignored
+    assert int(np.sum(xla["tokens_per_expert"])) == layers * t * k   # routed before any drop
+
+
+def test_capacity_drops_are_counted_under_expert_parallelism():
+    """EP all_to_all over 4 ranks: each destination holds ceil(c T K / n) rows of each source; counted."""
+    cfg, _, _, metrics = _capacity_run({"parallel.plan": "manual", "parallel.intra": 4}, 8)
+    t, k, layers = cfg.train.global_batch * cfg.train.seq_len, cfg.model.moe.top_k, cfg.model.num_moe_layers
+    assert 0 < int(metrics["dropped_tokens"]) < layers * t * k
 
 
 def _cli(*args):

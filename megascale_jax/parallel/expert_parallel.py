@@ -185,20 +185,28 @@ class LocalResidual(NamedTuple):
     tokens_per_expert: jax.Array
 
 
-def dispatch_local(x_TD, expert_idx_TK, *, num_experts: int, capacity: int | None = None):
+def dispatch_local(x_TD, expert_idx_TK, *, num_experts: int, capacity: int | None = None, groups: int = 1):
     """Rows of x repeated per assignment, ordered by expert: (x_MD with M = T*K, group_sizes_E, residual).
 
-    capacity: keep only the first `capacity` rows in expert order (the all_to_all dispatch at n = 1: its
-    one destination holds ceil(c*T*K) rows), the rest dropped and counted; None is dropless. Rows past
+    capacity: each of `groups` equal, contiguous blocks of tokens keeps only its first `capacity` rows in
+    expert order (the all_to_all dispatch at n = 1: its one destination holds ceil(c*T*K) rows); the rest
+    are dropped and counted. groups > 1 is the global view of a batch split over data-parallel devices, so
+    the XLA plan drops exactly what each device's own dispatch would. None is dropless. Rows past
     sum(group_sizes) are junk the combine ignores."""
     top_k = expert_idx_TK.shape[-1]
     expert_A, order_A, counts_E = sort_assignments(expert_idx_TK, num_experts)
-    kept_E = counts_E if capacity is None else _clip_cumulative(counts_E, capacity)
     kept_A = expert_A < num_experts
     if capacity is not None:
-        kept_A = kept_A & (_inverse_permutation(order_A) < capacity)
+        rows = expert_A.shape[0] // groups
+        group_A = jnp.arange(expert_A.shape[0], dtype=jnp.int32) // rows
+        # Rank of each assignment among its block's, in expert order; the first `capacity` stay.
+        rank_A = _inverse_permutation(jnp.argsort(group_A * (num_experts + 1) + expert_A, stable=True))
+        kept_A = kept_A & (rank_A - group_A * rows < capacity)
+        order_A = jnp.argsort(jnp.where(kept_A, expert_A, num_experts), stable=True)   # dropped rows last
+    kept_E = jnp.bincount(jnp.where(kept_A, expert_A, num_experts), length=num_experts + 1)[:num_experts]
     dropped = (expert_A.shape[0] - kept_E.sum()).astype(jnp.int32)
-    return repeat_rows_sorted(x_TD, order_A, top_k), kept_E, LocalResidual(order_A, kept_A, dropped, counts_E)
+    return (repeat_rows_sorted(x_TD, order_A, top_k), kept_E.astype(jnp.int32),
+            LocalResidual(order_A, kept_A, dropped, counts_E))
 
 
 def combine_local(y_MD, residual: LocalResidual, weight_TK):

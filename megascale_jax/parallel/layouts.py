@@ -157,9 +157,11 @@ class FFNDispatcher(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class LocalDispatch:
-    """n = 1: sort the T*K assignments by expert on this device (capacity as the all_to_all at n = 1)."""
+    """n = 1: sort the T*K assignments by expert on this device (capacity as the all_to_all at n = 1). In the
+    global view, `capacity_groups` = the data-parallel size applies the capacity per device's tokens."""
     num_experts: int
     capacity_factor: float = 0.0
+    capacity_groups: int = 1
 
     def ffn_input(self, x_BSD):
         return x_BSD
@@ -169,9 +171,11 @@ class LocalDispatch:
 
     def dispatch(self, x_TD, routing):
         num_tokens, top_k = routing.idx_TK.shape
-        capacity = (ep.rows_per_destination(num_tokens, top_k, self.num_experts, 1, self.capacity_factor)
+        groups = self.capacity_groups
+        capacity = (ep.rows_per_destination(num_tokens // groups, top_k, self.num_experts, 1, self.capacity_factor)
                     if self.capacity_factor else None)
-        return ep.dispatch_local(x_TD, routing.idx_TK, num_experts=self.num_experts, capacity=capacity)
+        return ep.dispatch_local(x_TD, routing.idx_TK, num_experts=self.num_experts, capacity=capacity,
+                                 groups=groups)
 
     def combine(self, y_MD, residual, weight_TK):
         return ep.combine_local(y_MD, residual, weight_TK)
@@ -250,7 +254,8 @@ def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int) -> Layo
     SP / TP / EP strategies exist only under the manual plan (under XLA the compiler communicates)."""
     reductions = DeviceReductions() if plan.per_device else GlobalReductions()
     if plan.kind != PlanKind.MANUAL or plan.intra == 1:
-        return Layout(reductions, LocalAttention(), LocalDispatch(num_experts, plan.capacity_factor))
+        groups = 1 if plan.per_device else plan.data   # the global view sees every data rank's tokens
+        return Layout(reductions, LocalAttention(), LocalDispatch(num_experts, plan.capacity_factor, groups))
     attention = (UlyssesAttention(num_heads=num_heads) if plan.attention == AttentionPlan.SP
                  else MegatronAttention())
     if plan.ffn == FFNPlan.TP:
