@@ -202,7 +202,11 @@ def build(cfg: Config, devices=None) -> Trainer:
 
 
 def create_state(trainer: Trainer):
-    """Initialises the state directly with its shardings: no full copy ever sits on one device."""
+    """Initialises the state directly with its shardings: no full copy ever sits on one device.
+
+    state['nonfinite'] = [steps with a non-finite loss or gradient, the first such step (-1: none)]. Small
+    entries come from numpy each time: a device_put of one shared jax array would hand every state the same
+    buffer, which the donated step then deletes."""
     cfg, kernels, shardings = trainer.cfg, trainer.kernels, trainer.state_shardings
     params = jax.jit(lambda: nnx.state(new_model(cfg, kernels)), out_shardings=shardings["params"])()
     if isinstance(trainer.updater, ZeroOne):
@@ -212,9 +216,6 @@ def create_state(trainer: Trainer):
     return {"params": params, "opt_state": opt_state,
             "step": jax.device_put(np.zeros((), np.int32), shardings["step"]),
             "nonfinite": jax.device_put(np.array([0, -1], np.int32), shardings["nonfinite"])}
-# state["nonfinite"] = [number of steps with a non-finite loss or gradient, the first such step (-1: none)]
-# (from numpy each time: a device_put of one shared jax array would hand every state the same buffer,
-# which the donated step deletes).
 
 
 def _all_finite(loss, grads, per_device: bool):
