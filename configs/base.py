@@ -57,6 +57,7 @@ def get_config() -> ConfigDict:
     c.parallel.ffn = ""               # "" = recipe | ep (whole experts per rank) | tp (expert FFN width sharded)
     c.parallel.ep_dispatch = "auto"   # all_to_all | all_gather | auto (by top_k vs the crossover below)
     c.parallel.dispatch_crossover_top_k = 6   # auto uses all_gather when top_k > this (paper: > 6)
+    c.parallel.dispatch_dtype = "bf16"  # EP token exchange on the wire: bf16 | fp8 (E4M3 + scales, fp32 sums)
     # none: optimizer state sharded like the parameters. zero1: optimizer state sharded over `data`.
     c.parallel.optimizer_sharding = "none"
     # Data-parallel gradient exchange: fp32 (compiler all-reduce / reduce-scatter) | bf16 | fp8 on the wire,

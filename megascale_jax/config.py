@@ -71,6 +71,7 @@ class ParallelConfig:
     ffn: str
     ep_dispatch: str
     dispatch_crossover_top_k: int
+    dispatch_dtype: str
     optimizer_sharding: str
     grad_comm: str
 

@@ -18,7 +18,7 @@ from megascale_jax.model.transformer import Remat
 from megascale_jax.optim import NonFinite
 from megascale_jax.parallel.grad_comm import GradComm
 from megascale_jax.parallel.pipeline_schedules import Schedule, validate_schedule_args
-from megascale_jax.parallel.plan import AttentionPlan, EPDispatch, FFNPlan, PlanKind
+from megascale_jax.parallel.plan import AttentionPlan, DispatchDType, EPDispatch, FFNPlan, PlanKind
 from megascale_jax.parallel.zero import OptimizerSharding
 
 
@@ -41,7 +41,7 @@ CHOICES = {
     "parallel.plan": ("", *_values(PlanKind)), "parallel.attention": ("", *_values(AttentionPlan)),
     "parallel.ffn": ("", *_values(FFNPlan)), "parallel.ep_dispatch": _values(EPDispatch),
     "parallel.pipeline_schedule": _values(Schedule), "parallel.optimizer_sharding": _values(OptimizerSharding),
-    "parallel.grad_comm": _values(GradComm),
+    "parallel.grad_comm": _values(GradComm), "parallel.dispatch_dtype": _values(DispatchDType),
     "kernels.grouped_gemm": _values(GroupedGemmImpl), "kernels.attention": _values(AttentionImpl),
     "model.attention_kind": _values(AttentionKind), "model.moe.router_kind": _values(RouterKind),
     "train.remat": _values(Remat), "train.nonfinite": _values(NonFinite), "train.param_dtype": _values(DType), "train.compute_dtype": _values(DType),

@@ -38,6 +38,12 @@ class FFNPlan(StrEnum):
     TP = "tp"    # Megatron: every expert's FFN width sharded
 
 
+class DispatchDType(StrEnum):
+    """What the expert-parallel token exchange carries on the wire (parallel/expert_parallel.py)."""
+    BF16 = "bf16"   # the activations as they are (the compute dtype)
+    FP8 = "fp8"     # E4M3 with scales alongside, one byte per element; sums stay fp32
+
+
 class EPDispatch(StrEnum):
     ALL_TO_ALL = "all_to_all"
     ALL_GATHER = "all_gather"
