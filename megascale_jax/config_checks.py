@@ -115,6 +115,7 @@ def validate(cfg) -> None:
     _validate_ranges(cfg)
     _validate_intra(cfg)
     _validate_step(cfg)
+    _validate_dispatch_dtype(cfg)
     _validate_pipeline(cfg)
     _check(cfg.data.source != "tokens" or cfg.data.path,
            "config.data.source='tokens' needs config.data.path (a flat uint16/uint32 token file).")
@@ -176,6 +177,17 @@ def _validate_pipeline(cfg) -> None:
            "config.parallel.plan='manual' (SP/EP inside each stage), e.g. --config.plan_recipe=megascale.")
     _check(m.moe.capacity_factor == 0, "config.parallel.pipe > 1 runs dropless only (the pipeline cannot "
            "return dropped-token counts yet); set config.model.moe.capacity_factor=0.")
+
+
+def _validate_dispatch_dtype(cfg) -> None:
+    p = cfg.parallel
+    if p.dispatch_dtype == DispatchDType.BF16:
+        return
+    _check(p.plan == PlanKind.MANUAL and p.ffn == FFNPlan.EP and p.intra > 1
+           and p.ep_dispatch == EPDispatch.ALL_TO_ALL,
+           f"config.parallel.dispatch_dtype={p.dispatch_dtype!r} compresses the expert-parallel all-to-all, which "
+           f"this plan does not run (plan={p.plan}, ffn={p.ffn}, intra={p.intra}, ep_dispatch={p.ep_dispatch}); "
+           "use plan_recipe=megascale with intra > 1 and ep_dispatch='all_to_all', or dispatch_dtype='bf16'.")
 
 
 def _validate_step(cfg) -> None:

@@ -229,9 +229,19 @@ class AllToAllResidual(NamedTuple):
     tokens_per_expert: jax.Array
 
 
-def dispatch_all_to_all(x_TD, expert_idx_TK, *, axis, num_experts: int, capacity: int):
+def _exchange(wire: str):
+    """The payload all-to-all: as is, or E4M3 on the wire (parallel/fp8_exchange.py)."""
+    if wire == "fp8":
+        from megascale_jax.parallel.fp8_exchange import exchange_tokens_fp8
+
+        return exchange_tokens_fp8
+    return collectives.exchange_tokens
+
+
+def dispatch_all_to_all(x_TD, expert_idx_TK, *, axis, num_experts: int, capacity: int, wire: str = "bf16"):
     """Sender packs (token, k) rows per destination rank, ordered by expert; one all_to_all; the receiver
-    orders what arrived by local expert, then source rank (the paper's order).
+    orders what arrived by local expert, then source rank (the paper's order). wire='fp8': the payload
+    travels as E4M3 with per-token scales (gradients per channel on the way back).
 
     Returns (x_RD with R = n*C rows sorted by local expert, padding last; group_sizes_G; residual)."""
     num_tokens, top_k = expert_idx_TK.shape
@@ -251,7 +261,7 @@ def dispatch_all_to_all(x_TD, expert_idx_TK, *, axis, num_experts: int, capacity
     x_send_NCD = jnp.where(send_valid_NC[..., None], x_TD[token_NC], 0).astype(x_TD.dtype)
 
     recv_counts_NG = collectives.exchange_counts(kept_NG, axis)
-    x_recv_NCD = collectives.exchange_tokens(x_send_NCD, axis)
+    x_recv_NCD = _exchange(wire)(x_send_NCD, axis)
     perm_R, valid_R, group_sizes_G = _receiver_order(recv_counts_NG, capacity)
     x_sorted_RD = permute_rows(x_recv_NCD.reshape(n * capacity, -1), perm_R)
 
@@ -279,13 +289,12 @@ def _receiver_order(recv_counts_NG, capacity: int):
     return perm_R, (expert_NC < num_local).reshape(-1), recv_counts_NG.sum(axis=0).astype(jnp.int32)
 
 
-def combine_all_to_all(y_sorted_RD, residual: AllToAllResidual, weight_TK, *, axis):
+def combine_all_to_all(y_sorted_RD, residual: AllToAllResidual, weight_TK, *, axis, wire: str = "bf16"):
     """Rows back to their source ranks (the mirror all_to_all), then the sender's weighted sum over k."""
     n = lax.axis_size(axis)
     y_recv_RD = jnp.where(residual.valid_R[:, None], permute_rows(y_sorted_RD, _inverse_permutation(residual.perm_R)),
                           0)
-    y_back_NCD = collectives.exchange_tokens(y_recv_RD.astype(y_sorted_RD.dtype).reshape(n, -1, y_recv_RD.shape[-1]),
-                                             axis)
+    y_back_NCD = _exchange(wire)(y_recv_RD.astype(y_sorted_RD.dtype).reshape(n, -1, y_recv_RD.shape[-1]), axis)
     y_AD = y_back_NCD.reshape(-1, y_back_NCD.shape[-1])[residual.slot_A]
     return weighted_sum_over_k(y_AD, residual.kept_A, weight_TK).astype(y_sorted_RD.dtype)
 

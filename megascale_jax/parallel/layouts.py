@@ -32,7 +32,8 @@ from jax import lax
 
 from megascale_jax.parallel import collectives
 from megascale_jax.parallel import expert_parallel as ep
-from megascale_jax.parallel.plan import DATA, INTRA, AttentionPlan, EPDispatch, FFNPlan, ParallelPlan, PlanKind
+from megascale_jax.parallel.plan import (DATA, INTRA, AttentionPlan, DispatchDType, EPDispatch, FFNPlan, ParallelPlan,
+                                         PlanKind)
 
 
 def _varying(x, axes) -> tuple[str, ...]:
@@ -210,18 +211,20 @@ class TensorParallelDispatch(LocalDispatch):
 
 @dataclasses.dataclass(frozen=True)
 class AllToAllDispatch(LocalDispatch):
-    """EP by all-to-all: rows per destination rank in fixed buffers (dropless worst case, or capacity)."""
+    """EP by all-to-all: rows per destination rank in fixed buffers (dropless worst case, or capacity);
+    `wire` = 'fp8' sends the payload as E4M3 with scales (parallel/fp8_exchange.py)."""
     axis: str = INTRA
+    wire: str = DispatchDType.BF16
 
     def dispatch(self, x_TD, routing):
         num_tokens, top_k = routing.idx_TK.shape
         capacity = ep.rows_per_destination(num_tokens, top_k, self.num_experts, lax.axis_size(self.axis),
                                            self.capacity_factor or None)
         return ep.dispatch_all_to_all(x_TD, routing.idx_TK, axis=self.axis, num_experts=self.num_experts,
-                                      capacity=capacity)
+                                      capacity=capacity, wire=self.wire)
 
     def combine(self, y_MD, residual, weight_TK):
-        return ep.combine_all_to_all(y_MD, residual, weight_TK, axis=self.axis)
+        return ep.combine_all_to_all(y_MD, residual, weight_TK, axis=self.axis, wire=self.wire)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,5 +270,5 @@ def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int) -> Layo
                              "config.parallel.ep_dispatch='all_to_all'.")
         ffn = AllGatherDispatch(num_experts)
     else:
-        ffn = AllToAllDispatch(num_experts, plan.capacity_factor)
+        ffn = AllToAllDispatch(num_experts, plan.capacity_factor, wire=plan.dispatch_dtype)
     return Layout(reductions, attention, ffn)

@@ -60,7 +60,8 @@ class ParallelPlan:
     ffn: str = FFNPlan.EP               # manual only
     dispatch: str = EPDispatch.ALL_TO_ALL   # resolved, never auto
     capacity_factor: float = 0.0
-    layers_over_pipe: bool = False   # stacked layers sharded in blocks over `pipe` (each stage its own)
+    layers_over_pipe: bool = False
+    dispatch_dtype: str = DispatchDType.BF16   # the EP all-to-all payload on the wire   # stacked layers sharded in blocks over `pipe` (each stage its own)
 
     @classmethod
     def from_config(cls, cfg) -> "ParallelPlan":
@@ -71,7 +72,7 @@ class ParallelPlan:
         layers_over_pipe = (p.pipe > 1 and p.virtual_stages == 1 and cfg.model.num_moe_layers % p.pipe == 0
                             and p.optimizer_sharding == "none")
         return cls(p.data, p.pipe, p.intra, p.plan, p.attention, p.ffn, p.ep_dispatch,
-                   cfg.model.moe.capacity_factor, layers_over_pipe)
+                   cfg.model.moe.capacity_factor, layers_over_pipe, p.dispatch_dtype)
 
     @property
     def per_device(self) -> bool:
