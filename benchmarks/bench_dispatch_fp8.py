@@ -13,6 +13,7 @@ import tempfile
 import numpy as np
 
 from benchmarks.bench_train import run_trainer, write_json
+from benchmarks.environment import environment
 
 
 def main() -> None:
@@ -22,7 +23,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    payload = {"benchmark": "bench_dispatch_fp8", "config": "tiny_cpu", "steps": args.steps,
+    payload = {"benchmark": "bench_dispatch_fp8", "environment": environment(), "config": "tiny_cpu", "steps": args.steps,
                "plan": "plan_recipe=megascale, intra=4 (SP attention + EP all_to_all), data=2", "runs": {}}
     for wire in ("bf16", "fp8"):
         with tempfile.TemporaryDirectory() as tmp:
