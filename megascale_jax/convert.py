@@ -1,0 +1,381 @@
+"""Hugging Face Mixtral checkpoints <-> megascale_jax orbax checkpoints.
+
+    python -m megascale_jax.convert import --hf DIR --config configs/mixtral_8x7b.py --out CKPT [--cast]
+    python -m megascale_jax.convert export --ckpt CKPT --config configs/mixtral_8x7b.py --hf OUT [--dtype bfloat16]
+
+`import` reads DIR/config.json and the safetensors shards named by DIR/model.safetensors.index.json (or one
+DIR/model.safetensors), checks the architecture and every dimension against --config, maps names and layouts
+(megascale_jax/hf_names.py) and writes step 0 of a train state (the imported params, a fresh optimizer state)
+into CKPT: `python -m megascale_jax.train --config ... --config.checkpoint.dir=CKPT` resumes from it.
+`export` restores CKPT's newest step and writes sharded safetensors + index + config.json that
+transformers' MixtralForCausalLM loads (classic per-expert names).
+
+Streaming: every HF tensor is a np.memmap over its bytes in the shard file (offsets from the safetensors
+header), so only the rows / columns a device needs are read. Each device's shard of a leaf is built on that
+device one HF tensor at a time (a donated in-place update), then the global array is assembled with
+`jax.make_array_from_single_device_arrays` (unstacked leaves: `jax.make_array_from_callback`); devices holding
+the same slice get a device-to-device copy. Host memory stays near one HF tensor. Why not safe_open's own
+reads: safetensors' numpy framework cannot materialise BF16 (numpy has no bfloat16; TypeError in 0.8.0),
+the dtype Mixtral ships in; we read the same format with ml_dtypes.bfloat16. safe_open reads our exports in
+the tests.
+
+Every check runs before anything is written: architecture, dimensions (one line naming the config.json key
+and our key), missing shard files, missing / unexpected / fused-layout tensors, shapes and dtypes. Dtypes:
+F32 / BF16 / F16 are read; a cast to train.param_dtype that loses bits (F32 -> bf16) needs --cast.
+Export is single-process (it gathers one tensor at a time to the host).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from megascale_jax import hf_names
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16)}
+NAMES = {v: k for k, v in DTYPES.items()}
+# Exact casts: (from, to). Anything else between float dtypes needs --cast.
+EXACT = {("BF16", "F32"), ("F16", "F32")}
+
+
+class ConvertError(ValueError):
+    """A checkpoint that cannot be converted; one line naming the file / key and the fix."""
+
+
+# ----------------------------------------------------------------------------------------- safetensors io
+def _header(path: str) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ConvertError(f"{path} is not a safetensors file (truncated header); re-download it.")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            head = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError):
+            raise ConvertError(f"{path} is not a safetensors file (bad JSON header); re-download it.") from None
+    head.pop("__metadata__", None)
+    return head, 8 + n
+
+
+class HFCheckpoint:
+    """The tensors of a sharded safetensors checkpoint: name -> (file, dtype, shape, offset). Nothing is read
+    until `array`, which returns a read-only np.memmap."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        index = os.path.join(directory, INDEX)
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map") or {}
+            files = sorted(set(weight_map.values()))
+        elif os.path.isfile(os.path.join(directory, SINGLE)):
+            weight_map, files = None, [SINGLE]
+        else:
+            raise ConvertError(f"{directory} has neither {INDEX} nor {SINGLE}; point --hf at the folder "
+                               "holding the checkpoint's *.safetensors files.")
+        missing = [f for f in files if not os.path.isfile(os.path.join(directory, f))]
+        if missing:
+            raise ConvertError(f"shard {missing[0]} named by {index} is missing from {directory} "
+                               f"({len(missing)} of {len(files)} shards missing); download it again.")
+        self.tensors = {}
+        for file in files:
+            head, start = _header(os.path.join(directory, file))
+            for name, info in head.items():
+                self.tensors[name] = (file, info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0])
+        if weight_map is not None:
+            absent = [n for n, f in weight_map.items() if self.tensors.get(n, (f,))[0] != f]
+            if absent:
+                raise ConvertError(f"{index} puts {absent[0]} in {weight_map[absent[0]]}, which does not hold it; "
+                                   "the index and shards are from different downloads: download again.")
+
+    def array(self, name: str) -> np.ndarray:
+        file, dtype, shape, offset = self.tensors[name]
+        return np.memmap(os.path.join(self.directory, file), dtype=DTYPES[dtype], mode="r", offset=offset,
+                         shape=shape)
+
+
+def write_safetensors(directory: str, plan: list[tuple[str, tuple, np.dtype]], tensor, max_shard_bytes: int):
+    """Streams `plan` (name, shape, dtype) into shards of at most ~max_shard_bytes; `tensor(name)` yields one
+    numpy array at a time. Writes the index json. Returns the shard file names."""
+    shards, size = [[]], 0
+    for item in plan:
+        nbytes = int(np.prod(item[1])) * item[2].itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for file, items in zip(names, shards):
+        head, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape, dtype in items:
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            head[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+            weight_map[name] = file
+        total += offset
+        raw = json.dumps(head, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(os.path.join(directory, file), "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for name, shape, dtype in items:
+                x = np.ascontiguousarray(tensor(name), dtype=dtype)
+                assert x.shape == tuple(shape), (name, x.shape, shape)
+                f.write(x.tobytes())
+    with open(os.path.join(directory, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def check_config(hf: dict, cfg, where: str) -> None:
+    """Raises ConvertError (one line) unless config.json `hf` is a Mixtral with exactly `cfg`'s dimensions."""
+    problems = hf_names.our_model_problems(cfg.model)
+    if problems:
+        raise ConvertError(f"--config {cfg.name} is not a Mixtral-family model: {problems[0]}.")
+    arch, mtype = hf.get("architectures") or [], hf.get("model_type")
+    if hf_names.ARCHITECTURE not in arch or mtype != hf_names.MODEL_TYPE:
+        raise ConvertError(f"{where}: architectures={arch} model_type={mtype!r}; only {hf_names.ARCHITECTURE} "
+                           f"(model_type '{hf_names.MODEL_TYPE}') is supported, convert another family elsewhere.")
+    m = cfg.model
+    for key, ours, get, default in hf_names.DIMENSIONS + [("rope_theta", "model.rope_theta",
+                                                              lambda m: m.rope_theta, None)]:
+        value = hf_names.hf_value(hf, key, m.head_dim if default == "derived" else default)
+        if value is None:
+            raise ConvertError(f"{where} lacks {key}; it is not a complete Mixtral config.json.")
+        mine = get(m)
+        same = np.isclose(float(value), float(mine), rtol=1e-9) if isinstance(mine, float) else value == mine
+        if not same:
+            raise ConvertError(f"{where}: {key}={value} but config.{ours}={mine}; pass the --config that "
+                               f"matches this checkpoint (or --config.{ours.split(' ')[0]}={value}).")
+    for key, ok in (("hidden_act", hf.get("hidden_act", "silu") == "silu"),
+                    ("rope_scaling", not hf.get("rope_scaling")),
+                    ("sliding_window", not hf.get("sliding_window") or hf["sliding_window"] >= m.max_seq_len)):
+        if not ok:
+            raise ConvertError(f"{where}: {key}={hf.get(key)!r} is not supported (our model: silu, plain RoPE, "
+                               f"full attention up to max_seq_len={m.max_seq_len}).")
+
+
+def _plan(cfg, abstract_params) -> list[tuple[hf_names.Entry, object, tuple, tuple]]:
+    """(entry, abstract leaf, stack shape, inner shape) for every leaf of our params, checked to cover them."""
+    flat = {tuple(k.key for k in path if hasattr(k, "key")): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+    out = []
+    for entry in hf_names.entries(cfg.model.tie_embeddings):
+        leaf = flat.pop(entry.path)
+        n = len(entry.stack)
+        out.append((entry, leaf, tuple(leaf.shape[:n]), tuple(leaf.shape[n:])))
+    if flat:
+        raise ConvertError(f"params {sorted(flat)} have no Hugging Face name; this converter covers Mixtral only.")
+    return out
+
+
+def _expected(plan) -> dict[str, tuple]:
+    names = {}
+    for entry, _, stack, inner in plan:
+        for idx in np.ndindex(*stack):
+            names[hf_names.hf_name(entry, idx)] = (hf_names.hf_shape(entry.kind, inner), entry)
+    return names
+
+
+def check_tensors(ckpt: HFCheckpoint, plan, param_dtype: dict, cast: bool) -> None:
+    """Every expected tensor is present with the right shape and a readable dtype; no unknown tensor."""
+    expected = _expected(plan)
+    names = set(ckpt.tensors)
+    fused = sorted(n for n in names if any(m in n for m in hf_names.FUSED_MARKERS))
+    if fused:
+        raise ConvertError(f"{ckpt.directory} stores experts fused ({fused[0]}): this layout (newer transformers) "
+                           "is not supported; save the model with per-expert block_sparse_moe.experts.N.w1/w2/w3.")
+    missing = sorted(set(expected) - names)
+    if missing:
+        raise ConvertError(f"{ckpt.directory} lacks tensor {missing[0]} ({len(missing)} missing); the checkpoint "
+                           "is incomplete or not a Mixtral: download it again or pass the matching --config.")
+    extra = sorted(names - set(expected) - {"lm_head.weight"})  # a tied HF checkpoint may still carry lm_head
+    if extra:
+        raise ConvertError(f"{ckpt.directory} holds {extra[0]} ({len(extra)} unexpected tensors) which our Mixtral "
+                           "has no place for (biases? another architecture?); it cannot be imported losslessly.")
+    for name, (shape, entry) in expected.items():
+        file, dtype, got, _ = ckpt.tensors[name]
+        if got != shape:
+            raise ConvertError(f"{file}: {name} has shape {list(got)}, expected {list(shape)} for --config "
+                               "(config.json and the weights disagree); the checkpoint is corrupt or mixed.")
+        if dtype not in DTYPES:
+            raise ConvertError(f"{file}: {name} has dtype {dtype}; only F32, BF16 and F16 can be imported "
+                               "(dequantise the checkpoint first).")
+        target = NAMES[np.dtype(param_dtype[entry.path])]
+        if dtype != target and (dtype, target) not in EXACT and not cast:
+            raise ConvertError(f"{file}: {name} is {dtype} but our param is {target}, a lossy cast; pass --cast, or "
+                               f"set --config.train.param_dtype to match.")
+
+
+# ----------------------------------------------------------------------------------------------- import
+_update = jax.jit(lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x, at), donate_argnums=0)
+
+
+def _device_block(ckpt, entry, stack, inner, index, dtype, device):
+    """Our leaf's slice `index` built on `device` one HF tensor at a time (host memory: one tensor)."""
+    n = len(stack)
+    ranges = [range(*s.indices(size)) for s, size in zip(index[:n], stack)]
+    inner_sl = index[n:]
+    shape = tuple(len(r) for r in ranges) + tuple(len(range(*s.indices(d))) for s, d in zip(inner_sl, inner))
+    buf = jnp.zeros(shape, dtype, device=device)
+    for pos in np.ndindex(*[len(r) for r in ranges]):
+        idx = tuple(r[p] for r, p in zip(ranges, pos))
+        piece = hf_names.read_ours(entry.kind, ckpt.array(hf_names.hf_name(entry, idx)), inner, inner_sl)
+        piece = jax.device_put(piece.astype(dtype)[(None,) * n], device)
+        buf = _update(buf, piece, pos + (0,) * len(inner))
+    return buf
+
+
+def _import_leaf(ckpt, entry, leaf, stack, inner):
+    sharding, dtype = leaf.sharding, np.dtype(leaf.dtype)
+    if not stack:
+        cache = {}
+
+        def block(index):   # replicas ask for the same index: read it once
+            key = str(index)
+            if key not in cache:
+                cache.clear()
+                cache[key] = hf_names.read_ours(entry.kind, ckpt.array(entry.hf), inner, index).astype(dtype)
+            return cache[key]
+        return jax.make_array_from_callback(leaf.shape, sharding, block)
+    built, arrays = {}, []
+    for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
+        key = str(index)
+        if key in built:
+            arrays.append(jax.device_put(built[key], device))
+        else:
+            built[key] = _device_block(ckpt, entry, stack, inner, index, dtype, device)
+            arrays.append(built[key])
+    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
+
+
+def load_params(hf_dir: str, cfg, trainer, cast: bool = False):
+    """Validates `hf_dir` against `cfg`, then streams it into `trainer`'s param shardings. Returns params."""
+    where = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(where):
+        raise ConvertError(f"{where} is missing; point --hf at a Hugging Face checkpoint folder.")
+    with open(where) as f:
+        check_config(json.load(f), cfg, where)
+    ckpt = HFCheckpoint(hf_dir)
+    abstract = trainer.abstract_state["params"]
+    plan = _plan(cfg, abstract)
+    check_tensors(ckpt, plan, {e.path: leaf.dtype for e, leaf, _, _ in plan}, cast)
+    arrays = {e.path: _import_leaf(ckpt, e, leaf, stack, inner) for e, leaf, stack, inner in plan}
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: arrays[tuple(k.key for k in path if hasattr(k, "key"))], abstract)
+
+
+def fresh_state(trainer, params):
+    """step.create_state with `params` instead of a random init (no second copy of the params is made)."""
+    from megascale_jax import step as step_lib
+    shardings = trainer.state_shardings
+    if isinstance(trainer.updater, step_lib.ZeroOne):
+        opt_state = trainer.updater.init(params, trainer.param_specs)
+    else:
+        opt_state = jax.jit(trainer.updater.init, out_shardings=shardings["opt_state"])(params)
+    return {"params": params, "opt_state": opt_state,
+            "step": jax.device_put(np.zeros((), np.int32), shardings["step"]),
+            "nonfinite": jax.device_put(np.array([0, -1], np.int32), shardings["nonfinite"])}
+
+
+def import_hf(hf_dir: str, cfg, out: str, cast: bool = False, devices=None) -> None:
+    from megascale_jax import step as step_lib
+    from megascale_jax.checkpoint import Checkpointer
+    if os.path.isdir(out) and os.listdir(out):
+        raise ConvertError(f"--out {out} is not empty; pass a new folder (train resumes from its newest step).")
+    trainer = step_lib.build(cfg, devices)
+    params = load_params(hf_dir, cfg, trainer, cast)   # every check raises before anything is written
+    ckpt = Checkpointer(out, save_every=0, keep=1, async_save=False)
+    ckpt.save(0, fresh_state(trainer, params), {"step": 0, "config": cfg.name, "imported_from": os.path.abspath(hf_dir)})
+    ckpt.close()
+
+
+# ----------------------------------------------------------------------------------------------- export
+def export_hf(ckpt_dir: str, cfg, out: str, dtype: str | None = None, max_shard_bytes: int = 5 << 30,
+              devices=None) -> list[str]:
+    from megascale_jax import step as step_lib
+    from megascale_jax.checkpoint import Checkpointer
+    problems = hf_names.our_model_problems(cfg.model)
+    if problems:
+        raise ConvertError(f"--config {cfg.name} is not a Mixtral-family model: {problems[0]}.")
+    if os.path.isdir(out) and os.listdir(out):
+        raise ConvertError(f"--hf {out} is not empty; pass a new folder for the exported checkpoint.")
+    trainer = step_lib.build(cfg, devices)
+    with Checkpointer(ckpt_dir, save_every=0, keep=1, async_save=False) as ckpt:
+        state, _ = ckpt.restore(trainer.abstract_state)
+    plan = _plan(cfg, state["params"])
+    out_dtype = {e.path: np.dtype(dtype) if dtype else np.dtype(leaf.dtype) for e, leaf, _, _ in plan}
+    flat = {tuple(k.key for k in p if hasattr(k, "key")): x
+            for p, x in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
+    source, tensors = {}, []
+    for entry, leaf, stack, inner in plan:
+        for idx in np.ndindex(*stack):
+            name = hf_names.hf_name(entry, idx)
+            source[name] = (entry, idx)
+            tensors.append((name, hf_names.hf_shape(entry.kind, inner), out_dtype[entry.path]))
+
+    def tensor(name):   # one tensor on the host at a time
+        entry, idx = source[name]
+        x = np.asarray(jax.device_get(flat[entry.path][idx] if idx else flat[entry.path]))
+        return hf_names.to_hf(entry.kind, x)
+    os.makedirs(out, exist_ok=True)
+    files = write_safetensors(out, tensors, tensor, max_shard_bytes)
+    torch_dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[
+        str(np.dtype(dtype or cfg.train.param_dtype))]
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf_names.export_config(cfg.model, torch_dtype), f, indent=2)
+    return files
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def _define_flags():
+    from absl import flags
+    from ml_collections import config_flags
+    config_flags.DEFINE_config_file("config", None, "configs/<model>.py of the model (dotted overrides allowed).")
+    flags.DEFINE_string("hf", None, "import: the Hugging Face checkpoint folder; export: the folder to write.")
+    flags.DEFINE_string("out", None, "import: the (new, empty) orbax checkpoint folder to write.")
+    flags.DEFINE_string("ckpt", None, "export: the orbax checkpoint folder (its newest step is exported).")
+    flags.DEFINE_bool("cast", False, "import: allow lossy dtype casts (e.g. F32 weights into bf16 params).")
+    flags.DEFINE_string("dtype", None, "export: dtype of the written tensors (default: the param dtype).")
+    flags.DEFINE_integer("max_shard_bytes", 5 << 30, "export: start a new safetensors shard above this size.")
+
+
+def main(argv) -> None:
+    from absl import flags
+    from megascale_jax import config as config_lib
+    from megascale_jax.checkpoint import CheckpointError
+    f = flags.FLAGS
+    usage = ("usage: python -m megascale_jax.convert import --hf DIR --config CFG --out CKPT | "
+             "export --ckpt CKPT --config CFG --hf OUT")
+    command = argv[1] if len(argv) == 2 else None
+    need = {"import": ("hf", "out"), "export": ("ckpt", "hf")}.get(command)
+    if need is None or f.config is None or any(not getattr(f, k) for k in need):
+        print(f"convert error: {usage}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        cfg = config_lib.from_config_dict(f.config, num_devices=jax.device_count())
+        if command == "import":
+            import_hf(f.hf, cfg, f.out, cast=f.cast)
+            print(f"imported {f.hf} into {f.out} (step 0); train with --config.checkpoint.dir={f.out}")
+        else:
+            files = export_hf(f.ckpt, cfg, f.hf, dtype=f.dtype, max_shard_bytes=f.max_shard_bytes)
+            print(f"exported {f.ckpt} to {f.hf} ({len(files)} shards + config.json)")
+    except (ConvertError, config_lib.ConfigError, CheckpointError) as err:
+        print(f"convert error: {' '.join(str(err).split())}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    from absl import app
+    _define_flags()
+    app.run(main)
