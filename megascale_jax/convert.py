@@ -275,19 +275,6 @@ def load_params(hf_dir: str, cfg, trainer, cast: bool = False):
         lambda path, _: arrays[tuple(k.key for k in path if hasattr(k, "key"))], abstract)
 
 
-def fresh_state(trainer, params):
-    """step.create_state with `params` instead of a random init (no second copy of the params is made)."""
-    from megascale_jax import step as step_lib
-    shardings = trainer.state_shardings
-    if isinstance(trainer.updater, step_lib.ZeroOne):
-        opt_state = trainer.updater.init(params, trainer.param_specs)
-    else:
-        opt_state = jax.jit(trainer.updater.init, out_shardings=shardings["opt_state"])(params)
-    return {"params": params, "opt_state": opt_state,
-            "step": jax.device_put(np.zeros((), np.int32), shardings["step"]),
-            "nonfinite": jax.device_put(np.array([0, -1], np.int32), shardings["nonfinite"])}
-
-
 def import_hf(hf_dir: str, cfg, out: str, cast: bool = False, devices=None) -> None:
     from megascale_jax import step as step_lib
     from megascale_jax.checkpoint import Checkpointer
@@ -296,7 +283,8 @@ def import_hf(hf_dir: str, cfg, out: str, cast: bool = False, devices=None) -> N
     trainer = step_lib.build(cfg, devices)
     params = load_params(hf_dir, cfg, trainer, cast)   # every check raises before anything is written
     ckpt = Checkpointer(out, save_every=0, keep=1, async_save=False)
-    ckpt.save(0, fresh_state(trainer, params), {"step": 0, "config": cfg.name, "imported_from": os.path.abspath(hf_dir)})
+    extra = {"step": 0, "config": cfg.name, "imported_from": os.path.abspath(hf_dir)}
+    ckpt.save(0, step_lib.create_state(trainer, params), extra)   # fresh optimizer state for the imported weights
     ckpt.close()
 
 

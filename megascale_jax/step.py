@@ -201,14 +201,16 @@ def build(cfg: Config, devices=None) -> Trainer:
     return Trainer(cfg, plan, mesh, kernels, graphdef, layout, updater, shardings, abstract)
 
 
-def create_state(trainer: Trainer):
-    """Initialises the state directly with its shardings: no full copy ever sits on one device.
+def create_state(trainer: Trainer, params=None):
+    """Initialises the state directly with its shardings: no full copy ever sits on one device. `params`
+    (already laid out with the state's param shardings, e.g. imported weights) replaces the random init.
 
     state['nonfinite'] = [steps with a non-finite loss or gradient, the first such step (-1: none)]. Small
     entries come from numpy each time: a device_put of one shared jax array would hand every state the same
     buffer, which the donated step then deletes."""
     cfg, kernels, shardings = trainer.cfg, trainer.kernels, trainer.state_shardings
-    params = jax.jit(lambda: nnx.state(new_model(cfg, kernels)), out_shardings=shardings["params"])()
+    if params is None:
+        params = jax.jit(lambda: nnx.state(new_model(cfg, kernels)), out_shardings=shardings["params"])()
     if isinstance(trainer.updater, ZeroOne):
         opt_state = trainer.updater.init(params, trainer.param_specs)
     else:
