@@ -21,12 +21,18 @@ def get_config() -> ConfigDict:
     c.model.hidden = 64
     c.model.num_heads = 4
     c.model.num_kv_heads = 2          # GQA: num_heads % num_kv_heads == 0; ratio m = heads / kv heads
+    c.model.head_dim = 0              # per-head width; 0 = hidden / num_heads (Qwen3-MoE sets it explicitly)
+    c.model.qkv_bias = False          # biases on the q/k/v projections (Qwen2-MoE)
+    c.model.qk_norm = False           # RMSNorm over head_dim on q and k before RoPE (Qwen3-MoE)
     c.model.attention_kind = "gqa"    # the attention module (model/attention.py)
     c.model.dense_ffn = 256           # FFN width of the leading dense layers (DeepSeekMoE's first layer)
     c.model.num_dense_layers = 0      # leading layers with a dense SwiGLU FFN instead of MoE
     c.model.rope_theta = 10000.0
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
+    # Tied output head: rsqrt_hidden scales logits by 1/sqrt(hidden) (our init, std-1 table); none = as
+    # Hugging Face ties (import tied HF models with this).
+    c.model.tied_head_scale = "rsqrt_hidden"
     c.model.max_seq_len = 2048        # RoPE is computed on the fly; this bounds train.seq_len
 
     c.model.moe = ConfigDict()
@@ -35,6 +41,7 @@ def get_config() -> ConfigDict:
     c.model.moe.expert_ffn = 128
     c.model.moe.num_shared_experts = 0   # shared experts run on every token (DeepSeekMoE, Hunyuan-Large)
     c.model.moe.shared_expert_ffn = 0    # width of each shared expert; 0 = expert_ffn
+    c.model.moe.shared_expert_gate = False   # scale the shared experts' output by sigmoid(x . w) (Qwen2-MoE)
     c.model.moe.renormalize = True       # renormalise the top-k probabilities to sum to 1
     c.model.moe.router_kind = "softmax_topk"   # the router module (model/moe/router.py)
     c.model.moe.aux_loss_weight = 0.01
@@ -58,6 +65,10 @@ def get_config() -> ConfigDict:
     c.parallel.ep_dispatch = "auto"   # all_to_all | all_gather | auto (by top_k vs the crossover below)
     c.parallel.dispatch_crossover_top_k = 6   # auto uses all_gather when top_k > this (paper: > 6)
     c.parallel.dispatch_dtype = "bf16"  # EP token exchange on the wire: bf16 | fp8 (E4M3 + scales, fp32 sums)
+    # autodiff: the MoE block is differentiated by JAX | macro: its forward and backward are written out by
+    # hand so each collective runs beside independent compute (parallel/overlap.py; manual plan).
+    c.parallel.moe_layer = "autodiff"
+    c.parallel.overlap_chunks = 1     # macro layer: the forward token exchange in this many chunks (pipelined)
     # none: optimizer state sharded like the parameters. zero1: optimizer state sharded over `data`.
     c.parallel.optimizer_sharding = "none"
     # Data-parallel gradient exchange: fp32 (compiler all-reduce / reduce-scatter) | bf16 | fp8 on the wire,

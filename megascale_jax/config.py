@@ -26,6 +26,7 @@ class MoEConfig:
     expert_ffn: int
     num_shared_experts: int
     shared_expert_ffn: int
+    shared_expert_gate: bool
     renormalize: bool
     router_kind: str
     aux_loss_weight: float
@@ -41,18 +42,18 @@ class ModelConfig:
     hidden: int
     num_heads: int
     num_kv_heads: int
+    head_dim: int          # resolved: never 0 after config.resolve
+    qkv_bias: bool
+    qk_norm: bool
     attention_kind: str
     dense_ffn: int
     num_dense_layers: int
     rope_theta: float
     norm_eps: float
     tie_embeddings: bool
+    tied_head_scale: str
     max_seq_len: int
     moe: MoEConfig
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.num_heads
 
     @property
     def num_moe_layers(self) -> int:
@@ -72,6 +73,8 @@ class ParallelConfig:
     ep_dispatch: str
     dispatch_crossover_top_k: int
     dispatch_dtype: str
+    moe_layer: str
+    overlap_chunks: int
     optimizer_sharding: str
     grad_comm: str
 
@@ -229,7 +232,11 @@ def resolve(cfg: Config, num_devices: int | None = None) -> Config:
                               f"{e.num_experts} is not divisible by intra={p.intra}; set balance_group_size "
                               "explicitly.")
         e = dataclasses.replace(e, balance_group_size=e.num_experts // p.intra)
-    cfg = dataclasses.replace(cfg, parallel=p, model=dataclasses.replace(cfg.model, moe=e))
+    m = cfg.model
+    # head_dim 0 = hidden / num_heads; left 0 (validate names hidden) when that does not divide.
+    divides = m.num_heads > 0 and m.hidden % m.num_heads == 0
+    head_dim = m.head_dim or (m.hidden // m.num_heads if divides else 0)
+    cfg = dataclasses.replace(cfg, parallel=p, model=dataclasses.replace(m, moe=e, head_dim=head_dim))
     return resolve_data_parallel(cfg, num_devices) if num_devices is not None else cfg
 
 

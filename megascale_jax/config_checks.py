@@ -12,13 +12,14 @@ from enum import StrEnum
 from configs import plans as plan_recipes
 from megascale_jax import data as data_lib
 from megascale_jax.model.attention import AttentionImpl, AttentionKind
+from megascale_jax.model.layers import TiedHeadScale
 from megascale_jax.model.moe.experts import GroupedGemmImpl
 from megascale_jax.model.moe.router import RouterKind
 from megascale_jax.model.transformer import Remat
 from megascale_jax.optim import NonFinite
 from megascale_jax.parallel.grad_comm import GradComm
 from megascale_jax.parallel.pipeline_schedules import Schedule, validate_schedule_args
-from megascale_jax.parallel.plan import AttentionPlan, DispatchDType, EPDispatch, FFNPlan, PlanKind
+from megascale_jax.parallel.plan import AttentionPlan, DispatchDType, EPDispatch, FFNPlan, MoELayer, PlanKind
 from megascale_jax.parallel.zero import OptimizerSharding
 
 
@@ -42,6 +43,7 @@ CHOICES = {
     "parallel.ffn": ("", *_values(FFNPlan)), "parallel.ep_dispatch": _values(EPDispatch),
     "parallel.pipeline_schedule": _values(Schedule), "parallel.optimizer_sharding": _values(OptimizerSharding),
     "parallel.grad_comm": _values(GradComm), "parallel.dispatch_dtype": _values(DispatchDType),
+    "parallel.moe_layer": _values(MoELayer), "model.tied_head_scale": _values(TiedHeadScale),
     "kernels.grouped_gemm": _values(GroupedGemmImpl), "kernels.attention": _values(AttentionImpl),
     "model.attention_kind": _values(AttentionKind), "model.moe.router_kind": _values(RouterKind),
     "train.remat": _values(Remat), "train.nonfinite": _values(NonFinite), "train.param_dtype": _values(DType), "train.compute_dtype": _values(DType),
@@ -76,10 +78,9 @@ def validate(cfg) -> None:
     m, e, p, t = cfg.model, cfg.model.moe, cfg.parallel, cfg.train
     for key in ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads"):
         _check(getattr(m, key) > 0, f"config.model.{key}={getattr(m, key)} must be positive.")
-    _check(m.hidden % m.num_heads == 0,
-           f"config.model.hidden={m.hidden} is not num_heads={m.num_heads} x head_dim: hidden must be a multiple "
-           "of num_heads (head_dim = hidden / num_heads).")
-    _check(m.head_dim % 2 == 0, f"head_dim = hidden / num_heads = {m.head_dim} must be even for RoPE.")
+    _check(m.head_dim > 0, f"config.model.hidden={m.hidden} is not a multiple of num_heads={m.num_heads}, so "
+           "config.model.head_dim=0 (hidden / num_heads) has no value; fix hidden or set head_dim explicitly.")
+    _check(m.head_dim % 2 == 0, f"config.model.head_dim={m.head_dim} must be even for RoPE.")
     _check(m.num_heads % m.num_kv_heads == 0,
            f"config.model.num_heads={m.num_heads} is not a multiple of num_kv_heads={m.num_kv_heads} (GQA groups "
            "must be equal); pick num_kv_heads dividing num_heads.")
@@ -116,6 +117,7 @@ def validate(cfg) -> None:
     _validate_intra(cfg)
     _validate_step(cfg)
     _validate_dispatch_dtype(cfg)
+    _validate_moe_layer(cfg)
     _validate_pipeline(cfg)
     _check(cfg.data.source != "tokens" or cfg.data.path,
            "config.data.source='tokens' needs config.data.path (a flat uint16/uint32 token file).")
@@ -188,6 +190,16 @@ def _validate_dispatch_dtype(cfg) -> None:
            f"config.parallel.dispatch_dtype={p.dispatch_dtype!r} compresses the expert-parallel all-to-all, which "
            f"this plan does not run (plan={p.plan}, ffn={p.ffn}, intra={p.intra}, ep_dispatch={p.ep_dispatch}); "
            "use plan_recipe=megascale with intra > 1 and ep_dispatch='all_to_all', or dispatch_dtype='bf16'.")
+
+
+def _validate_moe_layer(cfg) -> None:
+    """The macro layer writes the manual plan's collectives out by hand; it has no XLA-plan form."""
+    p = cfg.parallel
+    _check(p.overlap_chunks >= 1, f"config.parallel.overlap_chunks={p.overlap_chunks} must be >= 1 (1 = the "
+           "token exchange in one piece).")
+    if p.moe_layer == MoELayer.MACRO:
+        _check(p.plan == PlanKind.MANUAL, f"config.parallel.moe_layer='macro' needs the per-device step: set "
+               f"config.parallel.plan='manual' (e.g. --config.plan_recipe=megascale), not {p.plan!r}.")
 
 
 def _validate_step(cfg) -> None:

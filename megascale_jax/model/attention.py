@@ -41,9 +41,10 @@ def attention_core(q_BSHD, k_BSGD, v_BSGD, implementation: str):
 
 
 class Attention(nnx.Module):
-    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, rope_theta: float, param_dtype,
-                 rngs: nnx.Rngs, *, implementation: str = "xla"):
-        head_dim = dim // num_heads
+    def __init__(self, m, param_dtype, rngs: nnx.Rngs, *, implementation: str = "xla"):
+        """m: a resolved ModelConfig (hidden, num_heads, num_kv_heads, head_dim, rope_theta)."""
+        dim, num_heads, num_kv_heads, head_dim, rope_theta = (m.hidden, m.num_heads, m.num_kv_heads, m.head_dim,
+                                                              m.rope_theta)
         # Fan-in: the contracted dims of each einsum: D for q/k/v ("bsd,dhk"), H*K for o ("bshk,hkd").
         # With unit-RMS x, q and k then have unit-variance entries and q.k/sqrt(K) has std ~1 at init.
         self.wq_DHK = param(rngs, (dim, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype,

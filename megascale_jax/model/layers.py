@@ -3,6 +3,7 @@ dense SwiGLU MLP."""
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 
 import jax
 import jax.numpy as jnp
@@ -72,9 +73,16 @@ def rope(x_BSHD, positions_BS, theta: float):
     return out.astype(x_BSHD.dtype)
 
 
+class TiedHeadScale(StrEnum):
+    RSQRT_HIDDEN = "rsqrt_hidden"   # logits of the tied head scaled by 1/sqrt(hidden) (see Embedding.attend)
+    NONE = "none"                   # unscaled, as Hugging Face ties the head
+
+
 class Embedding(nnx.Module):
-    def __init__(self, vocab: int, dim: int, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, vocab: int, dim: int, param_dtype, rngs: nnx.Rngs,
+                 tied_head_scale: str = TiedHeadScale.RSQRT_HIDDEN):
         self.table_VD = param(rngs, (vocab, dim), ("vocab", "embed"), param_dtype, scale=1.0)
+        self.tied_head_scale = TiedHeadScale(tied_head_scale)
 
     def __call__(self, tokens_BS, dtype):
         return jnp.take(self.table_VD[...], tokens_BS, axis=0).astype(dtype)
@@ -82,8 +90,10 @@ class Embedding(nnx.Module):
     def attend(self, x_BSD):
         """Tied output head: logits against the embedding table (see `output_logits`), scaled by 1/sqrt(dim).
         Why: the table is initialised with std 1 (right for inputs), so the unscaled product of a unit-RMS
-        hidden state with it has logits of std sqrt(dim): a first loss of ~28 nats at dim 128, vocab 256."""
-        x_BSD = x_BSD * jnp.asarray(x_BSD.shape[-1] ** -0.5, x_BSD.dtype)
+        hidden state with it has logits of std sqrt(dim): a first loss of ~28 nats at dim 128, vocab 256.
+        TiedHeadScale.NONE leaves it out, as Hugging Face's tied models expect."""
+        if self.tied_head_scale == TiedHeadScale.RSQRT_HIDDEN:
+            x_BSD = x_BSD * jnp.asarray(x_BSD.shape[-1] ** -0.5, x_BSD.dtype)
         return output_logits("bsd,vd->bsv", x_BSD, self.table_VD[...])
 
 

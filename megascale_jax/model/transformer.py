@@ -56,8 +56,7 @@ class Block(nnx.Module):
     def __init__(self, cfg, moe: bool, param_dtype, kernels: Kernels, rngs: nnx.Rngs):
         m = cfg
         self.attn_norm = RMSNorm(m.hidden, m.norm_eps, param_dtype)
-        self.attn = ATTENTIONS[m.attention_kind](m.hidden, m.num_heads, m.num_kv_heads, m.rope_theta, param_dtype,
-                                                 rngs, implementation=kernels.attention)
+        self.attn = ATTENTIONS[m.attention_kind](m, param_dtype, rngs, implementation=kernels.attention)
         self.ffn_norm = RMSNorm(m.hidden, m.norm_eps, param_dtype)
         self.is_moe = moe
         if moe:
@@ -123,7 +122,7 @@ class Transformer(nnx.Module):
         scan_unroll: layers per iteration of the scanned stacks (>= the layer count: no loop at all)."""
         m = cfg
         self.cfg, self.compute_dtype, self.remat, self.scan_unroll = m, compute_dtype, remat, scan_unroll
-        self.embed_tokens = Embedding(m.vocab_size, m.hidden, param_dtype, rngs)
+        self.embed_tokens = Embedding(m.vocab_size, m.hidden, param_dtype, rngs, m.tied_head_scale)
         self.dense_blocks = _stacked_blocks(m, m.num_dense_layers, False, param_dtype, kernels, rngs)
         self.moe_blocks = _stacked_blocks(m, m.num_moe_layers, True, param_dtype, kernels, rngs)
         self.final_norm = RMSNorm(m.hidden, m.norm_eps, param_dtype)

@@ -44,6 +44,12 @@ class DispatchDType(StrEnum):
     FP8 = "fp8"     # E4M3 with scales alongside, one byte per element; sums stay fp32
 
 
+class MoELayer(StrEnum):
+    """How the MoE block's backward is obtained (parallel/overlap.py)."""
+    AUTODIFF = "autodiff"   # JAX differentiates the block; XLA's scheduler places the collectives
+    MACRO = "macro"         # forward and backward written out, each collective beside independent compute
+
+
 class EPDispatch(StrEnum):
     ALL_TO_ALL = "all_to_all"
     ALL_GATHER = "all_gather"

@@ -165,7 +165,9 @@ def test_attention_scores_and_output_are_order_one_at_init(dim, heads, kv_heads,
     E[out_t^2] = E[sum_s p_ts^2] lies in [1/(t+1), 1] (uniform p to one-hot p); W_o with fan-in H*K keeps
     the variance. So mean_t 1/(t+1) <= RMS^2 <= 1 (10% slack each way); the bug gave ~17 at Mixtral shapes."""
     batch, seq = 2, 128
-    attn = Attention(dim, heads, kv_heads, theta, jnp.float32, nnx.Rngs(0), implementation="xla")
+    m = default_config("tiny_cpu", **{"model.hidden": dim, "model.num_heads": heads, "model.num_kv_heads": kv_heads,
+                                      "model.rope_theta": theta}).model
+    attn = Attention(m, jnp.float32, nnx.Rngs(0), implementation="xla")
     x = jax.random.normal(jax.random.key(1), (batch, seq, dim))
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True))           # unit RMS per token
     positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
