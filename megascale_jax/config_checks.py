@@ -92,6 +92,9 @@ def validate(cfg) -> None:
     _check(1 <= e.top_k <= e.num_experts,
            f"config.model.moe.top_k={e.top_k} must be in [1, num_experts={e.num_experts}].")
     _check(e.num_shared_experts >= 0, "config.model.moe.num_shared_experts must be >= 0.")
+    _check(not e.shared_expert_gate or e.num_shared_experts > 0,
+           "config.model.moe.shared_expert_gate=True gates the shared experts' output, but num_shared_experts=0; "
+           "set num_shared_experts >= 1 (Qwen2-MoE: 1 of shared_expert_ffn 5632) or shared_expert_gate=False.")
     _check(e.capacity_factor == 0 or e.capacity_factor > 0,
            f"config.model.moe.capacity_factor={e.capacity_factor}: use 0 (dropless) or a positive factor.")
     _check(e.balance_group_size >= 1 and e.num_experts % e.balance_group_size == 0,

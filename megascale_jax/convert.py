@@ -1,23 +1,22 @@
-"""Hugging Face Mixtral checkpoints <-> megascale_jax orbax checkpoints.
+"""Hugging Face MoE checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE) <-> megascale_jax orbax checkpoints.
 
     python -m megascale_jax.convert import --hf DIR --config configs/mixtral_8x7b.py --out CKPT [--cast]
     python -m megascale_jax.convert export --ckpt CKPT --config configs/mixtral_8x7b.py --hf OUT [--dtype bfloat16]
 
 `import` reads DIR/config.json and the safetensors shards named by DIR/model.safetensors.index.json (or one
-DIR/model.safetensors), checks the architecture and every dimension against --config, maps names and layouts
-(megascale_jax/hf_names.py) and writes step 0 of a train state (the imported params, a fresh optimizer state)
-into CKPT: `python -m megascale_jax.train --config ... --config.checkpoint.dir=CKPT` resumes from it.
-`export` restores CKPT's newest step and writes sharded safetensors + index + config.json that
-transformers' MixtralForCausalLM loads (classic per-expert names).
+DIR/model.safetensors), picks the family from config.json's model_type, checks the architecture and every
+dimension against --config, maps names and layouts (megascale_jax/hf_names.py) and writes step 0 of a train
+state (the imported params, a fresh optimizer state) into CKPT: `python -m megascale_jax.train --config ...
+--config.checkpoint.dir=CKPT` resumes from it. `export` restores CKPT's newest step and writes sharded
+safetensors + index + config.json that transformers' <Family>ForCausalLM loads (classic per-expert names); the
+family follows --config (q/k norms: Qwen3-MoE, shared experts: Qwen2-MoE, else Mixtral).
 
-Streaming: every HF tensor is a np.memmap over its bytes in the shard file (offsets from the safetensors
-header), so only the rows / columns a device needs are read. Each device's shard of a leaf is built on that
-device one HF tensor at a time (a donated in-place update), then the global array is assembled with
-`jax.make_array_from_single_device_arrays` (unstacked leaves: `jax.make_array_from_callback`); devices holding
-the same slice get a device-to-device copy. Host memory stays near one HF tensor. Why not safe_open's own
-reads: safetensors' numpy framework cannot materialise BF16 (numpy has no bfloat16; TypeError in 0.8.0),
-the dtype Mixtral ships in; we read the same format with ml_dtypes.bfloat16. safe_open reads our exports in
-the tests.
+Streaming: every leaf is `jax.make_array_from_callback`, whose callback builds that index's block on the device
+that holds it, one HF tensor at a time: `safe_open(...).get_slice(name)[rows, cols]` reads only the block's bytes
+(BF16 included: safetensors 0.8 returns ml_dtypes.bfloat16 arrays), the raw block goes to the device, and a
+jitted layout + cast writes it into the donated device buffer in place. Replicas of a block are device-to-device
+copies. The shard file is opened per read and closed after, so its mmap'd pages leave the process's RSS.
+Host memory beyond the params stays near one HF tensor (benchmarks/hf_import_rss.py measures it).
 
 Every check runs before anything is written: architecture, dimensions (one line naming the config.json key
 and our key), missing shard files, missing / unexpected / fused-layout tensors, shapes and dtypes. Dtypes:
@@ -35,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from megascale_jax import hf_names
 
@@ -44,6 +44,7 @@ DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F1
 NAMES = {v: k for k, v in DTYPES.items()}
 # Exact casts: (from, to). Anything else between float dtypes needs --cast.
 EXACT = {("BF16", "F32"), ("F16", "F32")}
+SUPPORTED = ", ".join(f"{f.architecture} ({f.name})" for f in hf_names.FAMILIES.values())
 
 
 class ConvertError(ValueError):
@@ -51,23 +52,17 @@ class ConvertError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------- safetensors io
-def _header(path: str) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ConvertError(f"{path} is not a safetensors file (truncated header); re-download it.")
-        (n,) = struct.unpack("<Q", raw)
-        try:
-            head = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError):
-            raise ConvertError(f"{path} is not a safetensors file (bad JSON header); re-download it.") from None
-    head.pop("__metadata__", None)
-    return head, 8 + n
+def _open(path: str):
+    try:
+        return safe_open(path, framework="numpy")
+    except (SafetensorError, OSError) as err:
+        raise ConvertError(f"{path} is not a readable safetensors file ({' '.join(str(err).split())}); "
+                           "re-download it.") from None
 
 
 class HFCheckpoint:
-    """The tensors of a sharded safetensors checkpoint: name -> (file, dtype, shape, offset). Nothing is read
-    until `array`, which returns a read-only np.memmap."""
+    """The tensors of a (sharded) safetensors checkpoint: name -> (file, dtype, shape), from the headers only.
+    Nothing is read until `read`."""
 
     def __init__(self, directory: str):
         self.directory = directory
@@ -87,24 +82,31 @@ class HFCheckpoint:
                                f"({len(missing)} of {len(files)} shards missing); download it again.")
         self.tensors = {}
         for file in files:
-            head, start = _header(os.path.join(directory, file))
-            for name, info in head.items():
-                self.tensors[name] = (file, info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0])
+            with _open(os.path.join(directory, file)) as f:
+                for name in f.keys():
+                    part = f.get_slice(name)
+                    self.tensors[name] = (file, part.get_dtype(), tuple(part.get_shape()))
         if weight_map is not None:
             absent = [n for n, f in weight_map.items() if self.tensors.get(n, (f,))[0] != f]
             if absent:
                 raise ConvertError(f"{index} puts {absent[0]} in {weight_map[absent[0]]}, which does not hold it; "
                                    "the index and shards are from different downloads: download again.")
 
-    def array(self, name: str) -> np.ndarray:
-        file, dtype, shape, offset = self.tensors[name]
-        return np.memmap(os.path.join(self.directory, file), dtype=DTYPES[dtype], mode="r", offset=offset,
-                         shape=shape)
+    def read(self, name: str, block: tuple[slice, ...] | None = None) -> np.ndarray:
+        """Tensor `name`, or only its `block` (contiguous slices): safetensors reads just those bytes."""
+        file = self.tensors[name][0]
+        with _open(os.path.join(self.directory, file)) as f:   # closed after: its mmap leaves our RSS
+            part = f.get_slice(name)
+            return part[block] if block is not None else part[:]
 
 
 def write_safetensors(directory: str, plan: list[tuple[str, tuple, np.dtype]], tensor, max_shard_bytes: int):
     """Streams `plan` (name, shape, dtype) into shards of at most ~max_shard_bytes; `tensor(name)` yields one
-    numpy array at a time. Writes the index json. Returns the shard file names."""
+    numpy array at a time. Writes the index json. Returns the shard file names.
+
+    Why not safetensors.numpy.save_file: it takes a whole shard as a dict of arrays and serialises it into one
+    bytes object first, so a 5 GB shard (transformers' default) would hold ~2 x 5 GB on the host; this writer
+    holds one tensor. The files are the same format (the tests read them back with safe_open)."""
     shards, size = [[]], 0
     for item in plan:
         nbytes = int(np.prod(item[1])) * item[2].itemsize
@@ -137,45 +139,46 @@ def write_safetensors(directory: str, plan: list[tuple[str, tuple, np.dtype]], t
 
 
 # ----------------------------------------------------------------------------------------------- checks
-def check_config(hf: dict, cfg, where: str) -> None:
-    """Raises ConvertError (one line) unless config.json `hf` is a Mixtral with exactly `cfg`'s dimensions."""
-    problems = hf_names.our_model_problems(cfg.model)
-    if problems:
-        raise ConvertError(f"--config {cfg.name} is not a Mixtral-family model: {problems[0]}.")
+def check_config(hf: dict, cfg, where: str) -> hf_names.Family:
+    """The family of config.json `hf`; raises ConvertError (one line) unless it has exactly `cfg`'s model."""
     arch, mtype = hf.get("architectures") or [], hf.get("model_type")
-    if hf_names.ARCHITECTURE not in arch or mtype != hf_names.MODEL_TYPE:
-        raise ConvertError(f"{where}: architectures={arch} model_type={mtype!r}; only {hf_names.ARCHITECTURE} "
-                           f"(model_type '{hf_names.MODEL_TYPE}') is supported, convert another family elsewhere.")
+    family = hf_names.FAMILIES.get(mtype)
+    if family is None or family.architecture not in arch:
+        raise ConvertError(f"{where}: architectures={arch} model_type={mtype!r} is not supported; supported: "
+                           f"{SUPPORTED}.")
+    problems = hf_names.model_problems(cfg.model, family)
+    if problems:
+        raise ConvertError(f"{where} is a {family.architecture} but --config {cfg.name} is not: {problems[0]}.")
     m = cfg.model
-    for key, ours, get, default in hf_names.DIMENSIONS + [("rope_theta", "model.rope_theta",
-                                                              lambda m: m.rope_theta, None)]:
-        value = hf_names.hf_value(hf, key, m.head_dim if default == "derived" else default)
+    for key, ours, get, default in hf_names.dimensions(family):
+        if default == "derived":
+            default = hf.get("hidden_size", 0) // max(hf.get("num_attention_heads", 1), 1)
+        value = hf_names.hf_value(hf, key, default)
         if value is None:
-            raise ConvertError(f"{where} lacks {key}; it is not a complete Mixtral config.json.")
+            raise ConvertError(f"{where} lacks {key}; it is not a complete {family.architecture} config.json.")
         mine = get(m)
         same = np.isclose(float(value), float(mine), rtol=1e-9) if isinstance(mine, float) else value == mine
         if not same:
             raise ConvertError(f"{where}: {key}={value} but config.{ours}={mine}; pass the --config that "
                                f"matches this checkpoint (or --config.{ours.split(' ')[0]}={value}).")
-    for key, ok in (("hidden_act", hf.get("hidden_act", "silu") == "silu"),
-                    ("rope_scaling", not hf.get("rope_scaling")),
-                    ("sliding_window", not hf.get("sliding_window") or hf["sliding_window"] >= m.max_seq_len)):
-        if not ok:
-            raise ConvertError(f"{where}: {key}={hf.get(key)!r} is not supported (our model: silu, plain RoPE, "
-                               f"full attention up to max_seq_len={m.max_seq_len}).")
+    bad = hf_names.unsupported(hf, family, m.max_seq_len)
+    if bad:
+        raise ConvertError(f"{where}: {bad[0]} is not supported (our model: silu, plain RoPE, full attention up to "
+                           f"max_seq_len={m.max_seq_len}, every layer MoE, no o_proj bias).")
+    return family
 
 
-def _plan(cfg, abstract_params) -> list[tuple[hf_names.Entry, object, tuple, tuple]]:
+def _plan(cfg, abstract_params, family) -> list[tuple[hf_names.Entry, object, tuple, tuple]]:
     """(entry, abstract leaf, stack shape, inner shape) for every leaf of our params, checked to cover them."""
     flat = {tuple(k.key for k in path if hasattr(k, "key")): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
     out = []
-    for entry in hf_names.entries(cfg.model.tie_embeddings):
+    for entry in hf_names.entries(cfg.model, family):
         leaf = flat.pop(entry.path)
         n = len(entry.stack)
         out.append((entry, leaf, tuple(leaf.shape[:n]), tuple(leaf.shape[n:])))
     if flat:
-        raise ConvertError(f"params {sorted(flat)} have no Hugging Face name; this converter covers Mixtral only.")
+        raise ConvertError(f"params {sorted(flat)} have no {family.architecture} name; the converter cannot map them.")
     return out
 
 
@@ -187,24 +190,26 @@ def _expected(plan) -> dict[str, tuple]:
     return names
 
 
-def check_tensors(ckpt: HFCheckpoint, plan, param_dtype: dict, cast: bool) -> None:
+def check_tensors(ckpt: HFCheckpoint, plan, param_dtype: dict, cast: bool, family) -> None:
     """Every expected tensor is present with the right shape and a readable dtype; no unknown tensor."""
     expected = _expected(plan)
     names = set(ckpt.tensors)
-    fused = sorted(n for n in names if any(m in n for m in hf_names.FUSED_MARKERS))
+    fused = sorted(n for n in names if hf_names.FUSED_EXPERTS.search(n))
     if fused:
-        raise ConvertError(f"{ckpt.directory} stores experts fused ({fused[0]}): this layout (newer transformers) "
-                           "is not supported; save the model with per-expert block_sparse_moe.experts.N.w1/w2/w3.")
+        raise ConvertError(f"{ckpt.directory} stores experts fused ({fused[0]}): this layout (transformers' in-memory "
+                           "form) is not supported; save the model with per-expert experts.N.* tensors.")
     missing = sorted(set(expected) - names)
     if missing:
-        raise ConvertError(f"{ckpt.directory} lacks tensor {missing[0]} ({len(missing)} missing); the checkpoint "
-                           "is incomplete or not a Mixtral: download it again or pass the matching --config.")
+        raise ConvertError(f"{ckpt.directory} lacks tensor {missing[0]} ({len(missing)} missing); the checkpoint is "
+                           f"incomplete or not this {family.architecture}: download it again or pass the matching "
+                           "--config.")
     extra = sorted(names - set(expected) - {"lm_head.weight"})  # a tied HF checkpoint may still carry lm_head
     if extra:
-        raise ConvertError(f"{ckpt.directory} holds {extra[0]} ({len(extra)} unexpected tensors) which our Mixtral "
-                           "has no place for (biases? another architecture?); it cannot be imported losslessly.")
+        raise ConvertError(f"{ckpt.directory} holds {extra[0]} ({len(extra)} unexpected tensors) which our "
+                           f"{family.architecture} has no place for (biases? another architecture?); it cannot be "
+                           "imported losslessly.")
     for name, (shape, entry) in expected.items():
-        file, dtype, got, _ = ckpt.tensors[name]
+        file, dtype, got = ckpt.tensors[name]
         if got != shape:
             raise ConvertError(f"{file}: {name} has shape {list(got)}, expected {list(shape)} for --config "
                                "(config.json and the weights disagree); the checkpoint is corrupt or mixed.")
@@ -218,45 +223,57 @@ def check_tensors(ckpt: HFCheckpoint, plan, param_dtype: dict, cast: bool) -> No
 
 
 # ----------------------------------------------------------------------------------------------- import
-_update = jax.jit(lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x, at), donate_argnums=0)
+def _bounds(index, shape) -> tuple[tuple[int, int], ...]:
+    """An index (slices) as hashable (start, stop) pairs: the key replicas of one block share."""
+    return tuple(s.indices(d)[:2] for s, d in zip(index, shape))
 
 
-def _device_block(ckpt, entry, stack, inner, index, dtype, device):
-    """Our leaf's slice `index` built on `device` one HF tensor at a time (host memory: one tensor)."""
+def _write_block(buf, raw, at, *, kind, inner, bounds):
+    """buf[at] = our layout of the raw HF block, cast to buf's dtype (in place: buf is donated)."""
+    sl = tuple(slice(*b) for b in bounds)
+    block = hf_names.to_ours(kind, raw, inner, sl).astype(buf.dtype)
+    block = block.reshape((1,) * (buf.ndim - block.ndim) + block.shape)
+    return jax.lax.dynamic_update_slice(buf, block, at)
+
+
+_write = jax.jit(_write_block, static_argnames=("kind", "inner", "bounds"), donate_argnums=0)
+
+
+def _device_block(ckpt, entry, stack, inner, bounds, dtype, device):
+    """Our leaf's block `bounds` built on `device` one HF tensor at a time (host memory: one raw HF block)."""
     n = len(stack)
-    ranges = [range(*s.indices(size)) for s, size in zip(index[:n], stack)]
-    inner_sl = index[n:]
-    shape = tuple(len(r) for r in ranges) + tuple(len(range(*s.indices(d))) for s, d in zip(inner_sl, inner))
+    ranges = [range(a, b) for a, b in bounds[:n]]
+    inner_bounds = bounds[n:]
+    shape = tuple(b - a for a, b in bounds)
+    read = hf_names.hf_slice(entry.kind, inner, tuple(slice(*b) for b in inner_bounds))
     buf = jnp.zeros(shape, dtype, device=device)
     for pos in np.ndindex(*[len(r) for r in ranges]):
-        idx = tuple(r[p] for r, p in zip(ranges, pos))
-        piece = hf_names.read_ours(entry.kind, ckpt.array(hf_names.hf_name(entry, idx)), inner, inner_sl)
-        piece = jax.device_put(piece.astype(dtype)[(None,) * n], device)
-        buf = _update(buf, piece, pos + (0,) * len(inner))
+        name = hf_names.hf_name(entry, tuple(r[p] for r, p in zip(ranges, pos)))
+        raw = jax.device_put(ckpt.read(name, read), device)
+        at = tuple(jnp.int32(p) for p in pos + (0,) * len(inner))
+        buf = _write(buf, raw, at, kind=entry.kind, inner=inner, bounds=inner_bounds)
+        del raw
     return buf
 
 
 def _import_leaf(ckpt, entry, leaf, stack, inner):
+    """The global array of one leaf: make_array_from_callback asks for each device's index in the order of
+    addressable_devices_indices_map; each distinct block is built once on the first device that needs it and
+    copied device-to-device to its replicas."""
     sharding, dtype = leaf.sharding, np.dtype(leaf.dtype)
-    if not stack:
-        cache = {}
-
-        def block(index):   # replicas ask for the same index: read it once
-            key = str(index)
-            if key not in cache:
-                cache.clear()
-                cache[key] = hf_names.read_ours(entry.kind, ckpt.array(entry.hf), inner, index).astype(dtype)
-            return cache[key]
-        return jax.make_array_from_callback(leaf.shape, sharding, block)
-    built, arrays = {}, []
+    owners: dict[tuple, list] = {}
     for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
-        key = str(index)
-        if key in built:
-            arrays.append(jax.device_put(built[key], device))
-        else:
-            built[key] = _device_block(ckpt, entry, stack, inner, index, dtype, device)
-            arrays.append(built[key])
-    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
+        owners.setdefault(_bounds(index, leaf.shape), []).append(device)
+    built = {}
+
+    def block(index):
+        key = _bounds(index, leaf.shape)
+        device = owners[key].pop(0) if owners.get(key) else None
+        if key not in built:
+            built[key] = _device_block(ckpt, entry, stack, inner, key, dtype, device)
+        here = built[key]
+        return here if device is None or here.devices() == {device} else jax.device_put(here, device)
+    return jax.make_array_from_callback(leaf.shape, sharding, block)
 
 
 def load_params(hf_dir: str, cfg, trainer, cast: bool = False):
@@ -265,11 +282,11 @@ def load_params(hf_dir: str, cfg, trainer, cast: bool = False):
     if not os.path.isfile(where):
         raise ConvertError(f"{where} is missing; point --hf at a Hugging Face checkpoint folder.")
     with open(where) as f:
-        check_config(json.load(f), cfg, where)
+        family = check_config(json.load(f), cfg, where)
     ckpt = HFCheckpoint(hf_dir)
     abstract = trainer.abstract_state["params"]
-    plan = _plan(cfg, abstract)
-    check_tensors(ckpt, plan, {e.path: leaf.dtype for e, leaf, _, _ in plan}, cast)
+    plan = _plan(cfg, abstract, family)
+    check_tensors(ckpt, plan, {e.path: leaf.dtype for e, leaf, _, _ in plan}, cast, family)
     arrays = {e.path: _import_leaf(ckpt, e, leaf, stack, inner) for e, leaf, stack, inner in plan}
     return jax.tree_util.tree_map_with_path(
         lambda path, _: arrays[tuple(k.key for k in path if hasattr(k, "key"))], abstract)
@@ -293,15 +310,16 @@ def export_hf(ckpt_dir: str, cfg, out: str, dtype: str | None = None, max_shard_
               devices=None) -> list[str]:
     from megascale_jax import step as step_lib
     from megascale_jax.checkpoint import Checkpointer
-    problems = hf_names.our_model_problems(cfg.model)
+    family = hf_names.family_of(cfg.model)
+    problems = hf_names.model_problems(cfg.model, family)
     if problems:
-        raise ConvertError(f"--config {cfg.name} is not a Mixtral-family model: {problems[0]}.")
+        raise ConvertError(f"--config {cfg.name} exports as {family.architecture} but does not fit it: {problems[0]}.")
     if os.path.isdir(out) and os.listdir(out):
         raise ConvertError(f"--hf {out} is not empty; pass a new folder for the exported checkpoint.")
     trainer = step_lib.build(cfg, devices)
     with Checkpointer(ckpt_dir, save_every=0, keep=1, async_save=False) as ckpt:
         state, _ = ckpt.restore(trainer.abstract_state)
-    plan = _plan(cfg, state["params"])
+    plan = _plan(cfg, state["params"], family)
     out_dtype = {e.path: np.dtype(dtype) if dtype else np.dtype(leaf.dtype) for e, leaf, _, _ in plan}
     flat = {tuple(k.key for k in p if hasattr(k, "key")): x
             for p, x in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
@@ -321,7 +339,7 @@ def export_hf(ckpt_dir: str, cfg, out: str, dtype: str | None = None, max_shard_
     torch_dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[
         str(np.dtype(dtype or cfg.train.param_dtype))]
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf_names.export_config(cfg.model, torch_dtype), f, indent=2)
+        json.dump(hf_names.export_config(cfg.model, family, torch_dtype), f, indent=2)
     return files
 
 

@@ -142,14 +142,13 @@ def assert_same_checkpoint(src, out):
     assert len(set(weight_map.values())) > 1                       # sharded
     src_ckpt = convert.HFCheckpoint(src)
     assert set(weight_map) == set(src_ckpt.tensors)
+    back = convert.HFCheckpoint(out)
     for name, file in weight_map.items():
-        with safe_open(os.path.join(out, file), "np") as f:        # the real safetensors reader
-            got = f.get_tensor(name) if f.get_slice(name).get_dtype() != "BF16" else None
-        want = src_ckpt.array(name)
-        back = convert.HFCheckpoint(out).array(name)
-        assert back.dtype == want.dtype and back.tobytes() == want.tobytes(), name
-        if got is not None:
-            assert got.tobytes() == want.tobytes(), name
+        with safe_open(os.path.join(out, file), "np") as f:        # the real safetensors reader, BF16 included
+            got = f.get_slice(name)[:]
+        want = src_ckpt.read(name)
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), name
+        assert back.read(name).tobytes() == want.tobytes(), name
     with open(os.path.join(out, "config.json")) as f:
         exported = json.load(f)
     with open(os.path.join(src, "config.json")) as f:
@@ -181,7 +180,12 @@ def _error(tmp_path, src, match, **cfg_extra):
 def test_wrong_architecture(tmp_path):
     src = write_hf(tmp_path / "hf", hf_tensors(), hf_config(architectures=["Qwen2MoeForCausalLM"],
                                                             model_type="qwen2_moe"))
-    _error(tmp_path, src, r"Qwen2MoeForCausalLM.*only MixtralForCausalLM")
+    _error(tmp_path, src, r"is a Qwen2MoeForCausalLM but --config tiny_cpu is not: config.model.qkv_bias=False: "
+                          r"Qwen2MoeForCausalLM needs True")
+    other = write_hf(tmp_path / "hf2", hf_tensors(), hf_config(architectures=["DeepseekV2ForCausalLM"],
+                                                               model_type="deepseek_v2"))
+    _error(tmp_path, other, r"model_type='deepseek_v2' is not supported; supported: MixtralForCausalLM \(mixtral\), "
+                            r"Qwen2MoeForCausalLM \(qwen2_moe\), Qwen3MoeForCausalLM \(qwen3_moe\)")
 
 
 def test_missing_shard(tmp_path):

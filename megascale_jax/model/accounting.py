@@ -2,8 +2,10 @@
 
 Training FLOPs per token = 3 x forward (backward = 2 x forward):
   matmuls: 2 FLOPs per active matmul parameter per token (attention projections, the dense FFN, the shared
-           experts, only the top-k routed experts, the router, the output head; the embedding lookup is free);
-  attention core: QK^T and PV each 2*S*K per head per token, halved by the causal mask -> 2*S*H*K.
+           experts and their gate, only the top-k routed experts, the router, the output head; the embedding
+           lookup is free; biases and norm scales are elementwise, not matmuls);
+  attention core: QK^T and PV each 2*S*K per head per token, halved by the causal mask -> 2*S*H*K, with K the
+           model's head_dim (which need not be hidden / heads: Qwen3-MoE has 32 x 128 on hidden 2048).
 """
 from __future__ import annotations
 
@@ -58,8 +60,9 @@ def model_size(m, seq_len: int) -> ModelSize:
         active += round(size * share)
         is_lookup = "['embed_tokens']" in path and not m.tie_embeddings
         stacked = "['moe_blocks']" in path or "['dense_blocks']" in path   # a leading [layers] axis
-        if len(shape) - stacked >= 2 and not is_lookup:   # matrices; norms' scales are not matmuls
+        is_bias = "_bias_" in path            # q/k/v biases are [heads, head_dim]: 2-D, but added, not multiplied
+        if len(shape) - stacked >= 2 and not is_lookup and not is_bias:   # matrices; norms' scales are not matmuls
             matmul_active += size * share
-    attn_core = 2 * seq_len * m.num_heads * (m.hidden // m.num_heads) * m.num_layers
+    attn_core = 2 * seq_len * m.num_heads * m.head_dim * m.num_layers
     flops = 3 * (2 * matmul_active + attn_core)
     return ModelSize(total, active, float(flops))

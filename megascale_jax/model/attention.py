@@ -1,5 +1,11 @@
 """GQA causal self-attention with RoPE.
 
+Per-family options (megascale_jax/config.py ModelConfig): `head_dim` may differ from hidden / num_heads (Qwen3-MoE:
+32 heads of 128 on hidden 2048), so q/o are [D, H, K] / [H, K, D] with H*K != D; `qkv_bias` adds biases to the
+q/k/v projections (Qwen2-MoE); `qk_norm` RMS-normalises each head of q and k over head_dim, after the projection
+and before RoPE, with one learned scale of size head_dim shared by the heads (Qwen3-MoE; transformers'
+Qwen3MoeAttention applies q_norm / k_norm to the [.., heads, head_dim] view in the same place).
+
 The attention core (softmax(QK^T)V) is `jax.nn.dot_product_attention`: cuDNN flash attention on GPU with
 bf16, XLA elsewhere (resolved once at build time, `resolve_attention_impl`). The layout's attention
 strategy wraps the core with its communication (parallel/layouts.py: none, the Ulysses all-to-alls, or
@@ -14,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from megascale_jax.model.layers import param, rope
+from megascale_jax.model.layers import RMSNorm, param, rope
 
 
 class AttentionKind(StrEnum):
@@ -42,9 +48,9 @@ def attention_core(q_BSHD, k_BSGD, v_BSGD, implementation: str):
 
 class Attention(nnx.Module):
     def __init__(self, m, param_dtype, rngs: nnx.Rngs, *, implementation: str = "xla"):
-        """m: a resolved ModelConfig (hidden, num_heads, num_kv_heads, head_dim, rope_theta)."""
-        dim, num_heads, num_kv_heads, head_dim, rope_theta = (m.hidden, m.num_heads, m.num_kv_heads, m.head_dim,
-                                                              m.rope_theta)
+        """m: a resolved ModelConfig (hidden, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, norm_eps,
+        rope_theta)."""
+        dim, num_heads, num_kv_heads, head_dim = m.hidden, m.num_heads, m.num_kv_heads, m.head_dim
         # Fan-in: the contracted dims of each einsum: D for q/k/v ("bsd,dhk"), H*K for o ("bshk,hkd").
         # With unit-RMS x, q and k then have unit-variance entries and q.k/sqrt(K) has std ~1 at init.
         self.wq_DHK = param(rngs, (dim, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype,
@@ -55,20 +61,40 @@ class Attention(nnx.Module):
                             fan_in_axes=(0,))
         self.wo_HKD = param(rngs, (num_heads, head_dim, dim), ("heads", "head_dim", "embed"), param_dtype,
                             fan_in_axes=(0, 1))
-        self.rope_theta, self.implementation = rope_theta, implementation
+        if m.qkv_bias:   # zero at init, as transformers initialises Linear biases
+            bias = lambda heads, axis: nnx.Param(jnp.zeros((heads, head_dim), param_dtype),  # noqa: E731
+                                                 out_sharding=(axis, "head_dim"), eager_sharding=False)
+            self.q_bias_HK, self.k_bias_GK, self.v_bias_GK = (bias(num_heads, "heads"), bias(num_kv_heads, "kv_heads"),
+                                                              bias(num_kv_heads, "kv_heads"))
+        if m.qk_norm:
+            self.q_norm = RMSNorm(head_dim, m.norm_eps, param_dtype, axis="head_dim")
+            self.k_norm = RMSNorm(head_dim, m.norm_eps, param_dtype, axis="head_dim")
+        self.qkv_bias, self.qk_norm = m.qkv_bias, m.qk_norm
+        self.rope_theta, self.implementation = m.rope_theta, implementation
+
+    def _project(self, x_BSD):
+        """q, k, v in the compute dtype: projections (+ biases), per-head RMSNorm of q and k, then RoPE."""
+        dt = x_BSD.dtype
+        q = jnp.einsum("bsd,dhk->bshk", x_BSD, self.wq_DHK[...].astype(dt))
+        k = jnp.einsum("bsd,dgk->bsgk", x_BSD, self.wk_DGK[...].astype(dt))
+        v = jnp.einsum("bsd,dgk->bsgk", x_BSD, self.wv_DGK[...].astype(dt))
+        if self.qkv_bias:
+            q, k, v = (q + self.q_bias_HK[...].astype(dt), k + self.k_bias_GK[...].astype(dt),
+                       v + self.v_bias_GK[...].astype(dt))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def __call__(self, x_BSD, comm):
         """`comm`: the layout's attention strategy (parallel/layouts.py)."""
         x_BSD = comm.attention_input(x_BSD)
         positions_BS = comm.positions(x_BSD)
-        dt = x_BSD.dtype
-        q = jnp.einsum("bsd,dhk->bshk", x_BSD, self.wq_DHK[...].astype(dt))
-        k = jnp.einsum("bsd,dgk->bsgk", x_BSD, self.wk_DGK[...].astype(dt))
-        v = jnp.einsum("bsd,dgk->bsgk", x_BSD, self.wv_DGK[...].astype(dt))
+        q, k, v = self._project(x_BSD)
         q, k = rope(q, positions_BS, self.rope_theta), rope(k, positions_BS, self.rope_theta)
         q, k, v = checkpoint_name(q, "qkv"), checkpoint_name(k, "qkv"), checkpoint_name(v, "qkv")
         q, k, v = comm.heads_in(q, k, v)
         out = comm.heads_out(attention_core(q, k, v, self.implementation))
+        dt = x_BSD.dtype
         return comm.proj_out(jnp.einsum("bshk,hkd->bsd", out, self.wo_HKD[...].astype(dt)))
 
 

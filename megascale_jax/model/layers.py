@@ -50,10 +50,12 @@ def param(rngs: nnx.Rngs, shape, axes: tuple[str | None, ...], dtype, *,
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm computed in float32 (cheap, and bf16 variance loses precision), output in the input dtype."""
+    """RMSNorm over the last dim, computed in float32 (cheap, and bf16 variance loses precision), output in the
+    input dtype. `axis`: the scale's logical axis ("embed" for the residual stream, "head_dim" for Qwen3's
+    per-head q/k norms)."""
 
-    def __init__(self, dim: int, eps: float, param_dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("embed",), eager_sharding=False)
+    def __init__(self, dim: int, eps: float, param_dtype, axis: str = "embed"):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=(axis,), eager_sharding=False)
         self.eps = eps
 
     def __call__(self, x):

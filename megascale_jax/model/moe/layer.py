@@ -5,7 +5,8 @@
               or across the intra-node domain (EP all-to-all / all-gather);
     experts   SwiGLU as grouped GEMMs over explicit weights (model/moe/experts.py);
     combine   rows back to their tokens, weighted sum over k in fp32;
-    shared    shared experts, a dense SwiGLU on every token.
+    shared    shared experts, a dense SwiGLU on every token; with `shared_expert_gate` (Qwen2-MoE) its output is
+              scaled per token by sigmoid(x . w_gate), w_gate [D, 1] (transformers' Qwen2MoeSparseMoeBlock).
 Each phase runs under a `jax.named_scope` of its name (the analyzer and the profiles attribute by them).
 The dispatcher runs dispatch -> first expert GEMM and last expert GEMM -> combine, so that a fused
 communication + GEMM kernel can take over exactly those (parallel/layouts.py).
@@ -15,9 +16,10 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from megascale_jax.model.layers import DenseMLP
+from megascale_jax.model.layers import DenseMLP, param
 from megascale_jax.model.moe.experts import SwiGLUExperts, expert_hidden, expert_output, grouped_gemm_fn
 from megascale_jax.model.moe.router import ROUTERS
 
@@ -33,6 +35,9 @@ class MoEFFN(nnx.Module):
         shared_ffn = e.num_shared_experts * (e.shared_expert_ffn or e.expert_ffn)
         # Shared experts are fused into one dense SwiGLU of the summed width (mathematically identical).
         self.shared = DenseMLP(dim, shared_ffn, param_dtype, rngs, ffn_axis="ffn") if shared_ffn else None
+        self.shared_gated = bool(shared_ffn) and e.shared_expert_gate
+        if self.shared_gated:   # contracted over D
+            self.shared_gate_D1 = param(rngs, (dim, 1), ("embed", None), param_dtype, fan_in_axes=(0,))
 
     def __call__(self, x_BSD, layout):
         """Returns (y_BSD, stats) with stats: aux_loss, z_loss, tokens_per_expert, dropped_tokens."""
@@ -48,10 +53,20 @@ class MoEFFN(nnx.Module):
         y_TD = layout.ffn.last_gemm_combine(h_MF, group_sizes, residual, routing.weight_TK, last)  # experts, combine
         if self.shared is not None:
             with jax.named_scope("shared_experts"):
-                y_TD = y_TD + self.shared(x_TD)
+                y_TD = y_TD + self.shared_output(x_TD)
         stats = {"aux_loss": routing.aux_loss, "z_loss": routing.z_loss,
                  "tokens_per_expert": residual.tokens_per_expert, "dropped_tokens": residual.dropped_tokens}
         return layout.ffn.ffn_output(y_TD.reshape(batch, seq, dim)), stats
+
+
+    def shared_output(self, x_TD):
+        """The shared experts on every token, gated per token when `shared_expert_gate` is set. The gate is
+        per token, so under TP experts (partial sums over the FFN width) scaling each partial sum is exact."""
+        y_TD = self.shared(x_TD)
+        if not self.shared_gated:
+            return y_TD
+        logit_T1 = jnp.dot(x_TD, self.shared_gate_D1[...].astype(x_TD.dtype), preferred_element_type=jnp.float32)
+        return (jax.nn.sigmoid(logit_T1) * y_TD.astype(jnp.float32)).astype(y_TD.dtype)
 
 
 def _first_gemm(x_MD, group_sizes, *, weights, gemm):
