@@ -15,6 +15,7 @@ Quantities the microbenchmarks do not give are derived from the profiled 2-GPU p
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -155,14 +156,45 @@ def step_quantities(cfg, recipe: str, n: int, T: int, remat: str, padded: bool =
     return q
 
 
+# Configs whose profiled runs the derived quantities may not use (leave-one-config-out checks): see derived_without.
+_EXCLUDED: frozenset = frozenset()
+DERIVATION_FILE = "plans_2xh200.json"
+
+
+def derivation_labels() -> list[str]:
+    """measured.py labels of the runs the derived quantities below are read from (with the current exclusions)."""
+    return [f"{DERIVATION_FILE}:{run['config']}:{run['row']['plan']}" for run in profile_runs()]
+
+
+@contextlib.contextmanager
+def derived_without(*configs: str):
+    """Derive every profile-based quantity without the profiled runs of `configs` (caches are rebuilt inside
+    and again on exit), so a run of those configs can be predicted by parameters it did not produce."""
+    global _EXCLUDED
+    old = _EXCLUDED
+    _EXCLUDED = frozenset(configs)
+    _clear_caches()
+    try:
+        yield
+    finally:
+        _EXCLUDED = old
+        _clear_caches()
+
+
+def _clear_caches() -> None:
+    for fn in (profile_runs, attention_efficiency, elementwise_efficiency, ep_tail_cost, link_fit, xla_async_hidden,
+               host_gap_s):
+        fn.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
 def profile_runs() -> tuple:
-    """The profiled 2-GPU plan runs with their modeled quantities."""
+    """The profiled 2-GPU plan runs with their modeled quantities (less the configs in _EXCLUDED)."""
     from megascale_jax.config import default_config
-    data = _load("plans_2xh200.json")
+    data = _load(DERIVATION_FILE)
     runs = []
     for r in data["results"]:
-        if "profile" not in r:
+        if "profile" not in r or r["config"] in _EXCLUDED:
             continue
         cfg = default_config(r["config"])
         recipe = PLAN_NAMES[r["plan"]]
@@ -202,8 +234,11 @@ def tail_cost_implied(config: str) -> float:
 @functools.lru_cache(maxsize=None)
 def ep_tail_cost() -> float:
     """Cost of one padded row of the dropless EP buffer (fwd, dgrad) relative to a computed row, this code's
-    grouped GEMM with zero_tail='kernel' (tail tiles stream their K loop of loads and skip the MMA)."""
-    return tail_cost_implied("mixtral_small")
+    grouped GEMM with zero_tail='kernel' (tail tiles stream their K loop of loads and skip the MMA). Read off
+    the mixtral_small SP+EP / TP+TP pair (DeepSeek's pair implies 0.36, listed by --explain); the
+    deepseekmoe_small pair when mixtral_small's runs are excluded."""
+    configs = {run["config"] for run in profile_runs()}
+    return tail_cost_implied("mixtral_small" if "mixtral_small" in configs else sorted(configs)[0])
 
 
 @functools.lru_cache(maxsize=None)
