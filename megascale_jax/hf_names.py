@@ -215,9 +215,16 @@ def dimensions(family: Family) -> list[Dimension]:
     return out
 
 
+# transformers' attribute_map aliases: Qwen3MoeConfig 5.x writes the expert count as num_local_experts, the Hub's
+# Qwen3 configs (4.51) as num_experts.
+ALIASES = {"num_experts": "num_local_experts", "num_local_experts": "num_experts"}
+
+
 def hf_value(hf: dict, key: str, default):
     if key == "rope_theta":
         return rope_theta(hf)
+    if hf.get(key) is None and key in ALIASES:
+        key = ALIASES[key]
     value = hf.get(key, default)
     return default if value is None and default is not None else value
 
