@@ -28,12 +28,12 @@ REL_TOL = 0.05   # the brief: every std within 5% of its formula (>= 3.5 standar
 def stated_std(path: tuple[str, ...], m) -> float:
     """The std a parameter must have at init: 1/sqrt(its contracted dims), from the config alone.
     Raises for a parameter not listed, so a new parameter needs a stated formula here."""
-    name, head_dim = path[-1], m.hidden // m.num_heads
+    name, head_dim = path[-1], m.head_dim
     e = m.moe
     if name == "table_VD":
         return 1.0                                              # embedding: unit-variance inputs
     if name in ("wq_DHK", "wk_DGK", "wv_DGK", "head_DV", "w_DE", "w_gate_EDF", "w_up_EDF", "w_gate_DF",
-                "w_up_DF"):
+                "w_up_DF", "shared_gate_D1"):
         return m.hidden ** -0.5                                 # all contract over the hidden size D
     if name == "wo_HKD":
         return (m.num_heads * head_dim) ** -0.5                 # "bshk,hkd": contracts H and K
@@ -43,6 +43,8 @@ def stated_std(path: tuple[str, ...], m) -> float:
         if "dense_blocks" in path:
             return m.dense_ffn ** -0.5
         return (e.num_shared_experts * (e.shared_expert_ffn or e.expert_ffn)) ** -0.5   # fused shared experts
+    if "_bias_" in name:
+        return 0.0                                              # q/k/v biases start at zero, as transformers'
     raise AssertionError(f"no stated init std for parameter {'.'.join(path)}: add its formula to stated_std")
 
 
@@ -100,17 +102,25 @@ def test_param_requires_exactly_one_declared_scale(kwargs):
     {},                                                                          # tiny_cpu as trained
     {"model.num_layers": 3, "model.num_dense_layers": 1, "model.moe.num_shared_experts": 1,
      "model.tie_embeddings": True},                                              # dense stack, shared experts
-], ids=["tiny_cpu", "tiny_cpu_dense_shared_tied"])
+    {"model.qkv_bias": True, "model.moe.num_shared_experts": 1, "model.moe.shared_expert_gate": True,
+     "model.hidden": 1024},                                                      # Qwen2-MoE (gate: D = 1024 values)
+    {"model.head_dim": 64, "model.qk_norm": True},                               # Qwen3-MoE: heads x K != D
+], ids=["tiny_cpu", "tiny_cpu_dense_shared_tied", "qwen2_moe_like", "qwen3_moe_like"])
 def test_every_parameter_std_matches_its_fan_in_tiny(overrides):
     cfg = default_config("tiny_cpu", **overrides)
     params = _params(_model(cfg))
     for path, value in params.items():
-        if path[-1] == "scale":                                 # RMSNorm gains start at exactly 1
+        if path[-1] == "scale":                                 # RMSNorm gains (q/k norms too) start at exactly 1
             assert np.all(np.asarray(value) == 1.0), path
+            continue
+        if stated_std(path, cfg.model) == 0.0:
+            assert np.all(np.asarray(value) == 0.0), path
             continue
         _assert_std(".".join(path), value, stated_std(path, cfg.model))
         # Stacked layers (nnx.vmap): each layer alone has the std, i.e. the layers axis is not a fan-in.
-        if path[0] in ("dense_blocks", "moe_blocks"):
+        # (leaves of fewer than 1000 values per layer, the shared expert gate's D x 1, are checked over all
+        # layers only: a std measured from n values has a relative sampling error of ~1/sqrt(2n))
+        if path[0] in ("dense_blocks", "moe_blocks") and value[0].size >= 1000:
             for layer in value:
                 _assert_std(".".join(path) + "[layer]", layer, stated_std(path, cfg.model))
 

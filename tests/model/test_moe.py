@@ -31,14 +31,19 @@ def _naive_moe(layer, x_TD):
     if layer.shared is not None:
         s = layer.shared
         h = np.asarray(x_TD) @ np.asarray(s.w_gate_DF[...])
-        out += ((h / (1 + np.exp(-h))) * (np.asarray(x_TD) @ np.asarray(s.w_up_DF[...]))) @ np.asarray(s.w_down_FD[...])
+        shared = ((h / (1 + np.exp(-h))) * (np.asarray(x_TD) @ np.asarray(s.w_up_DF[...]))) @ np.asarray(s.w_down_FD[...])
+        if layer.shared_gated:   # Qwen2-MoE: sigmoid(x . w_gate) per token
+            shared = shared / (1 + np.exp(-(np.asarray(x_TD) @ np.asarray(layer.shared_gate_D1[...]))))
+        out += shared
     return out
 
 
-@pytest.mark.parametrize("top_k,shared,renorm", [(1, 0, True), (2, 0, True), (3, 1, False), (8, 2, True)])
-def test_moe_layer_matches_naive_loop(top_k, shared, renorm):
+@pytest.mark.parametrize("top_k,shared,renorm,gate", [(1, 0, True, False), (2, 0, True, False), (3, 1, False, False),
+                                                      (8, 2, True, False), (4, 1, False, True)])
+def test_moe_layer_matches_naive_loop(top_k, shared, renorm, gate):
     cfg = default_config("tiny_cpu", **{"model.moe.top_k": top_k, "model.moe.num_shared_experts": shared,
-                                        "model.moe.renormalize": renorm, "model.moe.expert_ffn": 32})
+                                        "model.moe.renormalize": renorm, "model.moe.expert_ffn": 32,
+                                        "model.moe.shared_expert_gate": gate})
     layer = MoEFFN(cfg.model.hidden, cfg.model.moe, jnp.float32, nnx.Rngs(top_k))
     x = jax.random.normal(jax.random.key(1), (2, 12, cfg.model.hidden), jnp.float32)
     y, stats = layer(x, local_layout(cfg.model.moe.num_experts))
@@ -90,3 +95,16 @@ def test_route_renormalises_and_z_loss():
     np.testing.assert_allclose(np.asarray(r2.weight_TK), [[0.5, 0.3]], rtol=1e-6)
     big = route(jnp.array([[10.0, 0.0]]), 1, True, 1)
     assert float(big.z_loss) == pytest.approx(float(jax.nn.logsumexp(jnp.array([10.0, 0.0])) ** 2), rel=1e-6)
+
+
+def test_shared_expert_gate_scales_the_shared_output_per_token():
+    """With the gate's weights zero, sigmoid(0) = 1/2 halves the shared output; the gate exists only when asked."""
+    over = {"model.moe.num_shared_experts": 1, "model.moe.expert_ffn": 32}
+    plain = MoEFFN(128, default_config("tiny_cpu", **over).model.moe, jnp.float32, nnx.Rngs(0))
+    gated = MoEFFN(128, default_config("tiny_cpu", **over, **{"model.moe.shared_expert_gate": True}).model.moe,
+                   jnp.float32, nnx.Rngs(0))
+    assert not hasattr(plain, "shared_gate_D1") and gated.shared_gate_D1[...].shape == (128, 1)
+    gated.shared_gate_D1[...] = jnp.zeros((128, 1))
+    x = jax.random.normal(jax.random.key(2), (6, 128), jnp.float32)
+    np.testing.assert_allclose(np.asarray(gated.shared_output(x)), 0.5 * np.asarray(plain.shared_output(x)),
+                               rtol=1e-6, atol=1e-6)
