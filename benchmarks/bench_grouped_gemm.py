@@ -94,7 +94,7 @@ ISSUE10_ROWS = [
 #   timed loops 56 x ~0.6 s ~35 s; data + sampled checks 9 shapes x ~2 s + 20 cases x ~0.5 s ~30 s.
 #   Total ~3-3.5 min (`--list` prints the same rough model), inside 6; --time-budget-s 330 starts no new
 #   timing after 330 s, so the JSON and the table are written even if compiles are much slower than guessed.
-SUITES = {"issue10": dict(impls=("ours", "dense_same_flops")), "tiny": dict(impls=("ours", "dense_same_flops"))}
+SUITES = {"issue10": dict(impls=("ours", "ours_k64", "dense_same_flops")), "tiny": dict(impls=("ours", "dense_same_flops"))}
 # CPU smoke of the whole pipeline (interpret mode): tiny shapes, every routing, tile-aligned K and N
 TINY_ROWS = {"tiny_g4": (512, 128, 256, 4), "tiny_g1": (256, 128, 256, 1)}
 
@@ -276,6 +276,11 @@ def jax_impls(m, k, n, g, args):
     # the other owner of the zero tail (GroupedGemmTuning.zero_tail), same tiles
     mask_tuning = dataclasses.replace(default_tuning(m, k, n, g), zero_tail="mask")
     impls["ours_mask_tail"] = lambda x, w, gs: grouped_gemm(x, w, gs, interpret=interp, tuning=mask_tuning)
+    # the forward tiles before the shape rule for large experts (64-wide K steps, four deep), where they differ
+    base = default_tuning(m, k, n, g)
+    if base.fwd.tile_k != 64:
+        k64 = dataclasses.replace(base, fwd=dataclasses.replace(base.fwd, tile_k=64, max_concurrent_steps=4))
+        impls["ours_k64"] = lambda x, w, gs: grouped_gemm(x, w, gs, interpret=interp, tuning=k64)
     return impls
 
 
@@ -380,13 +385,11 @@ def measure_case(case, x, w, dy, impls, args, results, torch_res):
     for label, fn in impls["bwd"].items():
         record(f"{label}/fwd+bwd", fn, (x, w, dy, gs), 3 * flops)
     measure_dense(row, case, x, w, dy, flops, record, args)
-    if args.sweep and name.startswith("goal") and routing == "uniform":
-        for cfg in sweep_tilings(n):
-            tuning = default_tuning(m, k, n, g)
-            tuning = type(tuning)(fwd=cfg, dgrad=tuning.dgrad, wgrad=tuning.wgrad)
-            f = jax.jit(lambda x, w, t=tuning: grouped_gemm(x, w, gs, tuning=t))
-            record(f"ours[{cfg.wg_split}{cfg.tile_m}x{cfg.tile_n}s{cfg.max_concurrent_steps}"
-                   f"m{cfg.grid_minor}w{cfg.grid_tile_width}]/fwd", f, (x, w), flops)
+    if args.sweep and (name.startswith("goal") or args.suite) and routing in ("uniform", "half_empty"):
+        for cfg in sweep_tilings(n, k):
+            tuning = dataclasses.replace(default_tuning(m, k, n, g), fwd=cfg)
+            f = jax.jit(lambda x, w, gs, t=tuning: grouped_gemm(x, w, gs, tuning=t, interpret=args.interpret))
+            record(f"ours[{tiling_label(cfg)}]/fwd", f, (x, w, gs), flops)
     if args.tokamax:
         try:
             measure_tokamax(row, record, gs, x, w, dy, flops, args.bwd)
@@ -418,14 +421,25 @@ def measure_dense(row, case, x, w, dy, flops, record, args):
                                 case=f"{case['shape']}/{case['routing']}")
 
 
-def sweep_tilings(n):
+def tiling_label(cfg):
+    return (f"{cfg.wg_split}{cfg.tile_m}x{cfg.tile_n}k{cfg.tile_k}s{cfg.max_concurrent_steps}"
+            f"m{cfg.grid_minor}w{cfg.grid_tile_width}e{cfg.epi_tile_n}x{cfg.epi_slots}")
+
+
+def sweep_tilings(n, k):
+    """Forward tilings to time against the default: warpgroup split, tile sizes, K step, pipeline depth,
+    work order, epilogue staging (chunk width and slots). Only those that tile N and K exactly."""
     out = []
-    for split, tm, tn, steps, minor, width in [("n", 128, 128, 4, 0, 8), ("n", 128, 128, 4, 1, 8),
-                                                ("n", 128, 128, 3, 0, 16), ("m", 128, 128, 4, 0, 8),
-                                                ("n", 128, 64, 6, 0, 8), ("m", 64, 128, 5, 0, 8)]:
-        cfg = GemmTiling(tile_m=tm, tile_n=tn, max_concurrent_steps=steps, wg_split=split,
-                         grid_minor=minor, grid_tile_width=width)
-        if n % cfg.cta_n == 0:
+    for split, tm, tn, tk, steps, minor, width, epi, slots in [
+            ("n", 128, 128, 64, 4, 0, 8, 64, 1), ("n", 128, 128, 64, 4, 0, 8, 64, 2),
+            ("n", 128, 128, 64, 4, 0, 8, 128, 1), ("n", 128, 128, 64, 4, 1, 8, 64, 1),
+            ("n", 128, 128, 64, 4, 0, 16, 64, 2), ("n", 128, 128, 64, 3, 0, 8, 32, 2),
+            ("n", 128, 128, 128, 2, 0, 8, 64, 1), ("m", 128, 128, 64, 4, 0, 8, 64, 1),
+            ("m", 128, 128, 64, 4, 0, 8, 64, 2), ("n", 128, 64, 64, 6, 0, 8, 64, 2),
+            ("m", 64, 128, 64, 5, 0, 8, 64, 2), ("n", 64, 128, 64, 6, 0, 8, 64, 2)]:
+        cfg = GemmTiling(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=steps, wg_split=split,
+                         grid_minor=minor, grid_tile_width=width, epi_tile_n=epi, epi_slots=slots)
+        if n % cfg.cta_n == 0 and k % tk == 0:
             out.append(cfg)
     return out
 

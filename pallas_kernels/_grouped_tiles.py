@@ -9,7 +9,8 @@ of copying them, and `grouped_gemm.py` keeps the kernel bodies, launch, validati
                   `check_zero_tail`: what every entry point's validation shares, with the same messages.
   * Work tables:  `group_bounds`, `row_tile_table` (forward, input gradient), `token_block_table` (weight
                   gradient): plain jnp computed on device before a launch, read by the persistent loop.
-  * Tile helpers inside kernel bodies: `swizzle_transforms`, `store_rows` (the ragged-row TMA epilogue),
+  * Tile helpers inside kernel bodies: `swizzle_transforms`, `epilogue_smem` + `store_rows` (the ragged-row
+                  TMA epilogue, also storing zero tiles without any loads),
                   `mask_token_rows`.
 The module is private (underscore); its names are not, because sibling kernels import them.
 """
@@ -44,6 +45,9 @@ class GemmTiling:
     grid_minor: int = 0      # 0: row tiles vary fastest in the work order (w tiles reused from L2)
     grid_tile_width: int = 8  # band width of the snake order over (row tiles, column tiles)
     epi_tile_n: int = 64     # output columns staged through SMEM per TMA store
+    # SMEM staging buffers per warpgroup for the epilogue: 2 lets chunk j+1 be written while chunk j's TMA
+    # store still reads its buffer (1: every chunk waits for the previous store to finish reading).
+    epi_slots: int = 1
 
     @property
     def cta_m(self) -> int:
@@ -60,10 +64,10 @@ class GroupedGemmTuning:
     over K, tile_n over N, tile_k over tokens). `num_sms=None` reads the device's SM count.
 
     `zero_tail` says who writes the zero rows past sum(group_sizes) of y and dx: 'kernel' (its tail tiles
-    stream their K loop of loads and skip only the MMA) or 'mask' (the kernels skip those tiles and a
-    jnp.where zeroes them; XLA can fuse the select into the consumer, a standalone call pays one pass over
-    the output). A long tail (expert-parallel dropless buffers are n x the average rows) is where they
-    differ; `benchmarks/bench_grouped_gemm.py --routings padded` times both."""
+    store zeros from SMEM: no loads, no MMA, one write of the tail) or 'mask' (the kernels skip those tiles
+    and a jnp.where zeroes them; XLA can fuse the select into the consumer, a standalone call pays one pass
+    over the output). A long tail (expert-parallel dropless buffers are n x the average rows) is where they
+    could differ; `benchmarks/bench_grouped_gemm.py --routings padded` times both."""
 
     fwd: GemmTiling = GemmTiling()
     dgrad: GemmTiling = GemmTiling()
@@ -93,11 +97,15 @@ def fit_wgrad_tiling(base: GemmTiling, k: int, n: int) -> GemmTiling:
 
 def default_tuning(m: int, k: int, n: int, num_groups: int) -> GroupedGemmTuning:
     """Defaults by shape: the widest CTA tile that divides the output (forward writes N columns, dgrad
-    K columns, wgrad K x N). Measured on the H200 (benchmarks/results/grouped_gemm_h200.json), the
-    swept alternatives were not faster: Mixtral-like fwd 638-676 TFLOP/s vs 674 for the default,
-    fine-grained 377-421 vs 441 (run-to-run spread is about 5%)."""
+    K columns, wgrad K x N). The forward of large experts (K >= 4096, N >= 2048: Mixtral, DeepSeek-V3) takes
+    128-wide K steps two deep: measured on the H200 in one run (benchmarks/results/grouped_gemm_sweep_h200.json)
+    677 vs 650 TFLOP/s (Mixtral 8x7B) and 676 vs 651 (DeepSeek-V3 EP 8) against 64-wide steps four deep; on
+    the fine-grained shapes (K = 2048, N <= 1408) no swept tiling beat the default by more than the ~3%
+    run-to-run spread."""
     del m, num_groups
     fwd = fit_tiling(GemmTiling(), n, "N")
+    if k >= 4096 and n >= 2048 and k % 128 == 0 and fwd.wg_split == "n":
+        fwd = dataclasses.replace(fwd, tile_k=128, max_concurrent_steps=2)
     dgrad = fit_tiling(GemmTiling(), k, "K")
     wgrad = fit_wgrad_tiling(GemmTiling(), k, n)
     return GroupedGemmTuning(fwd=fwd, dgrad=dgrad, wgrad=wgrad)
@@ -111,12 +119,19 @@ def default_kernel_tuning(kernel: str, k: int, n: int) -> GroupedGemmTuning:
 
 
 def fit_smem(cfg: GemmTiling, stage_elems: int, out_dtype) -> GemmTiling:
-    """Drops pipeline stages until the input buffers plus the epilogue staging fit in SMEM (an fp32
-    output doubles the staging)."""
-    out_bytes = NUM_COMPUTE_WGS * cfg.tile_m * cfg.epi_tile_n * jnp.dtype(out_dtype).itemsize
+    """Drops pipeline stages (to 2) until the input buffers plus the epilogue staging fit in SMEM (an fp32
+    output doubles the staging); if two stages still do not fit, halves tile_k and tries again (a 128-wide
+    K step with an fp32 output). `stage_elems` is the elements of one stage at cfg.tile_k."""
+    out_bytes = NUM_COMPUTE_WGS * cfg.epi_slots * cfg.tile_m * cfg.epi_tile_n * jnp.dtype(out_dtype).itemsize
     steps = cfg.max_concurrent_steps
     while steps > 2 and steps * stage_elems * 2 + out_bytes > SMEM_BUDGET:
         steps -= 1
+    if steps * stage_elems * 2 + out_bytes > SMEM_BUDGET:
+        if cfg.tile_k <= 64:
+            raise ValueError(f"tiles {cfg} need {steps * stage_elems * 2 + out_bytes} bytes of SMEM with 2 "
+                             f"stages, over the {SMEM_BUDGET} available: use smaller tile_m / tile_n / epi_tile_n")
+        half = dataclasses.replace(cfg, tile_k=cfg.tile_k // 2, max_concurrent_steps=2 * steps)
+        return fit_smem(half, stage_elems // 2, out_dtype)
     return dataclasses.replace(cfg, max_concurrent_steps=steps)
 
 
@@ -126,6 +141,8 @@ def check_tiling(name: str, cfg: GemmTiling, dims_and_tiles, what: str):
         raise ValueError(f"tuning.{name}.wg_split must be 'm' or 'n', got {cfg.wg_split!r}")
     if cfg.tile_n % cfg.epi_tile_n:
         raise ValueError(f"tuning.{name}.epi_tile_n={cfg.epi_tile_n} must divide tile_n={cfg.tile_n}")
+    if cfg.epi_slots not in (1, 2):
+        raise ValueError(f"tuning.{name}.epi_slots={cfg.epi_slots} must be 1 or 2 (SMEM staging buffers)")
     for label, dim, tile in dims_and_tiles:
         if dim % tile:
             raise ValueError(f"{what}: {label} {dim} is not a multiple of the tuning.{name} tile {tile}; pad "
@@ -208,27 +225,44 @@ def swizzle_transforms(minor_elems: int, dtype):
     return plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)
 
 
+def epilogue_smem(cfg: GemmTiling, dtype):
+    """The epilogue's SMEM staging: per compute warpgroup, `epi_slots` buffers of tile_m x epi_tile_n."""
+    return plgpu.SMEM((NUM_COMPUTE_WGS, cfg.epi_slots, cfg.tile_m, cfg.epi_tile_n), dtype)
+
+
 def store_rows(acc, out_smem, out_gmem, row0, col0, cfg: GemmTiling, rows=None):
-    """Stores this warpgroup's accumulator at out_gmem[row0:, col0:]; `rows=(lo, count)` keeps only rows
-    [lo, lo+count). TMA boxes are static, so a ragged count is written as a sum of powers of two, one
-    store per set bit (rows=None: the whole tile in one store)."""
-    wg_rows = out_smem.shape[0]
-    for ni in range(cfg.tile_n // cfg.epi_tile_n):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous stores have read out_smem
-        out_smem[...] = acc[:, ni * cfg.epi_tile_n:(ni + 1) * cfg.epi_tile_n].astype(out_smem.dtype)
+    """Stores this warpgroup's accumulator (an fp32 array, or None for zeros) at out_gmem[row0:, col0:];
+    `rows=(lo, count)` keeps only rows [lo, lo+count). out_smem: this warpgroup's [epi_slots, tile_m,
+    epi_tile_n] staging. TMA boxes are static, so a ragged count is written as a sum of powers of two, one
+    store per set bit, committed as one bulk group per chunk (rows=None: one store per chunk).
+    With two slots a chunk waits only for the store two chunks back, which read the slot it overwrites."""
+    slots, wg_rows = out_smem.shape[0], out_smem.shape[1]
+    chunks = cfg.tile_n // cfg.epi_tile_n
+    for ni in range(chunks):
+        slot = ni % slots
+        # In flight may stay: the previous chunk's group when it used the other slot (never across work items
+        # when the chunk count is odd: the next item's chunk 0 reuses the slot of this item's last chunk).
+        pending = 1 if slots == 2 and (ni > 0 or chunks % 2 == 0) else 0
+        plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
+        if acc is None:
+            out_smem[slot] = jnp.zeros(out_smem.shape[1:], out_smem.dtype)
+        else:
+            out_smem[slot] = acc[:, ni * cfg.epi_tile_n:(ni + 1) * cfg.epi_tile_n].astype(out_smem.dtype)
         plgpu.commit_smem()
         cols = pl.ds(col0 + ni * cfg.epi_tile_n, cfg.epi_tile_n)
+        src = out_smem.at[slot]
         if rows is None:
-            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(row0, wg_rows), cols])
+            plgpu.copy_smem_to_gmem(src, out_gmem.at[pl.ds(row0, wg_rows), cols])
             continue
         start, count = rows
         bit = 1 << (wg_rows.bit_length() - 1)
         while bit:
             pl.when((count & bit) != 0)(functools.partial(
-                plgpu.copy_smem_to_gmem, out_smem.at[pl.ds(start, bit)],
-                out_gmem.at[pl.ds(row0 + start, bit), cols]))
+                plgpu.copy_smem_to_gmem, src.at[pl.ds(start, bit)],
+                out_gmem.at[pl.ds(row0 + start, bit), cols], commit_group=False))
             start = start + (count & bit)
             bit >>= 1
+        plgpu.commit_smem_to_gmem_group()   # the chunk's stores are one bulk group for the waits above
 
 
 def mask_token_rows(ref, row0, start, end):

@@ -29,7 +29,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedGemmTuning, check_dtypes,
                                            check_group_sizes, check_tiling, check_zero_tail,
-                                           default_kernel_tuning, default_tuning, fit_smem, group_bounds,
+                                           default_kernel_tuning, default_tuning, epilogue_smem, fit_smem,
+                                           group_bounds,
                                            mask_token_rows, row_tile_table, store_rows, swizzle_transforms,
                                            token_block_table)
 from pallas_kernels.varying import match_varying, vary_like
@@ -71,7 +72,7 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
     allocs = pipeline(ignore, ignore).get_allocations(x_gmem, w_shape_ref)
 
     @functools.partial(pl.run_scoped, allocs=allocs, collective_axes="wg",
-                       out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, cfg.tile_m, cfg.epi_tile_n), out_gmem.dtype))
+                       out_smem=epilogue_smem(cfg, out_gmem.dtype))
     def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")
 
@@ -88,30 +89,37 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
             wg_row0 = wg * cfg.tile_m if cfg.wg_split == "m" else 0
             wg_col0 = wg * cfg.tile_n if cfg.wg_split == "n" else 0
 
+            wlo = jnp.clip(lo - wg_row0, 0, cfg.tile_m)
+            whi = jnp.clip(lo + count - wg_row0, 0, cfg.tile_m)
+
+            def store(acc):
+                store_rows(acc, out_smem.at[wg], out_gmem, block * cfg.cta_m + wg_row0,
+                           ni * cfg.cta_n + wg_col0, cfg, rows=(wlo, whi - wlo))
+
             def context(eval_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
                 def _acc(acc_ref):
                     eval_pipeline(acc_ref)
-                    wlo = jnp.clip(lo - wg_row0, 0, cfg.tile_m)
-                    whi = jnp.clip(lo + count - wg_row0, 0, cfg.tile_m)
-                    store_rows(acc_ref[...], out_smem.at[wg], out_gmem, block * cfg.cta_m + wg_row0,
-                                ni * cfg.cta_n + wg_col0, cfg, rows=(wlo, whi - wlo))
+                    store(acc_ref[...])
 
             def mma(_, x_smem, w_smem, acc_ref):
                 w_op = w_smem.at[wg_n, :].transpose((1, 0)) if transpose_w else w_smem.at[:, wg_n]
-
-                @pl.when(jnp.logical_not(is_tail))  # the tail stays at the zero-initialised accumulator
-                def _():
-                    plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_op)
+                plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_op)
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            @pl.when(count > 0)
+            # The zero tail (rows past sum(group_sizes)) is stored straight from zeros: no loads, no MMA, so an
+            # expert-parallel receive buffer's unused rows cost one write. The whole CTA takes the same branch
+            # (is_tail is per work item), so the pipeline's barriers stay in step across warpgroups.
+            @pl.when((count > 0) & is_tail & (wg < NUM_COMPUTE_WGS))
+            def _():
+                store(None)
+
+            @pl.when((count > 0) & jnp.logical_not(is_tail))
             def _():
                 slot_ref[0] = block
                 w_cols = pl.ds(ni * cfg.cta_n, cfg.cta_n)
-                w_g = w_gmem.at[jnp.minimum(seg, num_groups - 1)]
-                w_tile = w_g.at[w_cols, :] if transpose_w else w_g.at[:, w_cols]
+                w_tile = w_gmem.at[seg].at[w_cols, :] if transpose_w else w_gmem.at[seg].at[:, w_cols]
                 pipeline(mma, context)(x_gmem, w_tile, allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -143,7 +151,7 @@ def _weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTiling)
     allocs = pipeline(ignore, ignore, jnp.int32(1)).get_allocations(x_gmem, dy_gmem)
 
     @functools.partial(pl.run_scoped, allocs=allocs, collective_axes="wg",
-                       out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, cfg.tile_m, cfg.epi_tile_n), dw_gmem.dtype))
+                       out_smem=epilogue_smem(cfg, dw_gmem.dtype))
     def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")
 

@@ -83,6 +83,26 @@ def test_interpret_forward_and_gradients_match_ragged_dot(case, zero_tail):
     _check_fwd_bwd(x, w, dy, group_sizes, interpret=True, tuning=tuning)
 
 
+# Epilogue and K-tile variants of the small tiles: two staging slots (odd and even chunk counts per tile),
+# 128-wide K steps. The tail case stores zero tiles straight from SMEM.
+VARIANT_TUNINGS = {
+    "epi_slots2": GroupedGemmTuning(
+        fwd=GemmTiling(tile_m=64, tile_n=128, epi_tile_n=64, epi_slots=2, max_concurrent_steps=2, wg_split="n"),
+        dgrad=GemmTiling(tile_m=64, tile_n=64, epi_tile_n=64, epi_slots=2, max_concurrent_steps=2, wg_split="m"),
+        wgrad=GemmTiling(tile_m=64, tile_n=64, epi_slots=2, max_concurrent_steps=2, wg_split="m"), num_sms=3),
+    "tile_k128": GroupedGemmTuning(
+        fwd=GemmTiling(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2, wg_split="n"),
+        dgrad=GemmTiling(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2, wg_split="m"),
+        wgrad=SMALL_TUNING.wgrad, num_sms=3),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANT_TUNINGS))
+def test_interpret_tiling_variants_match_ragged_dot(variant):
+    x, w, dy, group_sizes = _random_problem(3, 200, 256, 256, [50, 0, 7, 100, 0, 23])
+    _check_fwd_bwd(x, w, dy, group_sizes, interpret=True, tuning=VARIANT_TUNINGS[variant])
+
+
 def test_interpret_bf16_output_and_default_tuning():
     """Default (production) tiles in the interpreter, bf16 out, random sizes drawn fresh."""
     rng = np.random.default_rng(7)
@@ -92,6 +112,23 @@ def test_interpret_bf16_output_and_default_tuning():
     y = grouped_gemm(x, w, group_sizes, interpret=True)
     assert y.dtype == jnp.bfloat16
     assert _rel_err(y, _ragged_dot_f32(x, w, group_sizes)) < 4e-3
+
+
+def test_smem_fit_drops_stages_then_halves_the_k_step():
+    """A 128-wide K step with an fp32 output does not fit two stages of 128 x 256 tiles: fit_smem falls back
+    to 64-wide steps (and more stages); bf16 output keeps the 128-wide step at two stages."""
+    from pallas_kernels._grouped_tiles import SMEM_BUDGET, fit_smem
+
+    cfg = GemmTiling(tile_k=128, max_concurrent_steps=4)
+    stage = (cfg.cta_m + cfg.cta_n) * cfg.tile_k
+    bf16 = fit_smem(cfg, stage, jnp.bfloat16)
+    assert (bf16.tile_k, bf16.max_concurrent_steps) == (128, 2)
+    f32 = fit_smem(cfg, stage, jnp.float32)
+    assert f32.tile_k == 64 and f32.max_concurrent_steps >= 2
+    out_bytes = 2 * f32.tile_m * f32.epi_tile_n * 4
+    assert f32.max_concurrent_steps * (f32.cta_m + f32.cta_n) * 64 * 2 + out_bytes <= SMEM_BUDGET
+    with pytest.raises(ValueError, match="SMEM"):
+        fit_smem(GemmTiling(tile_m=256, tile_n=256, epi_tile_n=256, epi_slots=2), 4 * 256 * 64, jnp.float32)
 
 
 def test_interpret_weight_gradient_when_only_k_is_a_multiple_of_128():
@@ -258,6 +295,20 @@ def test_gpu_forward_and_gradients_match_ragged_dot(sizes, zero_tail):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fwd", [
+    GemmTiling(epi_slots=2), GemmTiling(tile_k=128, max_concurrent_steps=3), GemmTiling(wg_split="m"),
+    GemmTiling(tile_n=64, epi_slots=2, max_concurrent_steps=6), GemmTiling(tile_n=128, epi_tile_n=128),
+], ids=["epi2", "k128", "split_m", "n64_epi2", "epi128"])
+def test_gpu_forward_tiling_variants_match_ragged_dot(fwd):
+    """The forward tilings the shape table may choose, on ragged groups with a tail, dirty memory."""
+    sizes = [700, 0, 1500, 33, 0, 900, 1, 400]
+    x, w, dy, group_sizes = _random_problem(3, 4096, 512, 1024, sizes)
+    _poison_device_memory(64 << 20)
+    tuning = dataclasses.replace(default_tuning(4096, 512, 1024, len(sizes)), fwd=fwd, dgrad=fwd)
+    _check_fwd_bwd(x, w, dy, group_sizes, tuning=tuning)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("k, n, sizes", [
     (2048, 704, [300, 0, 1000, 2796]),   # DeepSeekMoE expert FFN split over TP 2: N = 704 = 11 x 64
     (4096, 2048, [3000]),                # one expert per device, with a tail of zero rows
@@ -266,6 +317,17 @@ def test_gpu_tp_split_and_single_group_shapes(k, n, sizes):
     x, w, dy, group_sizes = _random_problem(k + n, 4096, k, n, sizes)
     _poison_device_memory(64 << 20)
     _check_fwd_bwd(x, w, dy, group_sizes)
+
+
+@pytest.mark.gpu
+def test_gpu_large_expert_default_tuning_bf16_forward():
+    """K >= 4096, N >= 2048 take 128-wide K steps by default (bf16 output fits SMEM at two stages)."""
+    assert default_tuning(4096, 4096, 2048, 4).fwd.tile_k == 128
+    x, w, _, group_sizes = _random_problem(19, 4096, 4096, 2048, [1000, 0, 2500, 77])
+    _poison_device_memory(64 << 20)
+    y = grouped_gemm(x, w, group_sizes)
+    assert _rel_err(y, _ragged_dot_f32(x, w, group_sizes)) < 4e-3
+    assert np.all(np.asarray(y)[3577:] == 0)
 
 
 @pytest.mark.gpu
