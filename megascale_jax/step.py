@@ -197,7 +197,9 @@ def build(cfg: Config, devices=None) -> Trainer:
     abstract = {"params": abstract_params, "opt_state": abstract_opt, "step": jax.ShapeDtypeStruct((), jnp.int32),
                 "nonfinite": jax.ShapeDtypeStruct((2,), jnp.int32)}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    layout = make_layout(plan, num_heads=cfg.model.num_heads, num_experts=cfg.model.moe.num_experts)
+    layout = make_layout(plan, num_heads=cfg.model.num_heads, num_experts=cfg.model.moe.num_experts,
+                         moe_layer=cfg.parallel.moe_layer, remat=cfg.train.remat,
+                         overlap_chunks=cfg.parallel.overlap_chunks)
     return Trainer(cfg, plan, mesh, kernels, graphdef, layout, updater, shardings, abstract)
 
 

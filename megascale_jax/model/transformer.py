@@ -13,8 +13,14 @@ Blocks of one kind are stacked (leading 'layers' axis on every parameter) and ru
 compile time does not grow with depth. Remat of the scanned block follows `remat`:
   none       keep everything autodiff saves;
   full       keep only the block inputs, recompute the block in the backward pass;
-  selective  keep what is expensive to recompute (q/k/v, the attention core, expert outputs) and recompute
-             the cheap parts (norms, activations, routing) — the paper's selective rematerialisation.
+  selective  keep what is expensive to recompute (GEMM and attention outputs: q/k/v, the attention core, the
+             residual stream after attention, the expert gate / up / down GEMMs) and recompute the cheap parts
+             (norms, activations, routing) and re-communicate what a collective produced (the Ulysses and
+             dispatch all-to-alls) — the paper's selective rematerialisation.
+With a macro layer (parallel.moe_layer='macro') the layout's `block` strategy runs each MoE block with its
+forward and backward written out (parallel/overlap.py) and owns its remat: `scan_body` then applies no
+jax.checkpoint to the MoE stack, and `Block` hands the macro layer its pure pieces (`MoEBlockMath`) and its
+parameter arrays (`MoEBlockWeights`), so nothing under model/ needs to know about the macro layer's collectives.
 """
 from __future__ import annotations
 
@@ -25,9 +31,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megascale_jax.model.attention import ATTENTIONS
-from megascale_jax.model.layers import DenseMLP, Embedding, RMSNorm, cross_entropy, output_logits, param
+from typing import NamedTuple
+
+from jax.ad_checkpoint import checkpoint_name
+
+from megascale_jax.model.attention import ATTENTIONS, attention_core
+from megascale_jax.model.layers import DenseMLP, Embedding, RMSNorm, cross_entropy, output_logits, param, rope
+from megascale_jax.model.moe.experts import ExpertWeights, grouped_gemm_fn, grouped_gemm_grads
 from megascale_jax.model.moe.layer import MoEFFN
+from megascale_jax.model.moe.router import Routing, route
 
 
 class Remat(StrEnum):
@@ -39,7 +51,11 @@ class Remat(StrEnum):
 REMAT_POLICIES = {
     Remat.NONE: None,
     Remat.FULL: jax.checkpoint_policies.nothing_saveable,
-    Remat.SELECTIVE: jax.checkpoint_policies.save_only_these_names("qkv", "attn_core", "expert_out"),
+    # The paper's selection (GEMM and attention outputs; named in model/attention.py, Block, model/moe/experts.py).
+    # expert_out stays too: autodiff takes the routing weights' gradient from the expert outputs (the macro
+    # layer takes it from the down GEMM's input gradient instead and keeps nothing of it).
+    Remat.SELECTIVE: jax.checkpoint_policies.save_only_these_names(
+        "qkv", "attn_core", "attn_residual", "expert_gate", "expert_up", "expert_out"),
 }
 
 
@@ -68,8 +84,12 @@ class Block(nnx.Module):
         # Named scopes reach the compiled HLO's op_name metadata; the communication analyzer attributes
         # collectives to components by them.
         kind = "moe_block" if self.is_moe else "dense_block"
+        if self.is_moe and getattr(layout, "block", None) is not None:
+            with jax.named_scope(kind):   # the macro layer: forward and backward written out
+                return layout.block(self.macro_math(), self.macro_weights(), x_BSD)
         with jax.named_scope(f"{kind}/attention"):
             x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), layout.attention)
+            x_BSD = checkpoint_name(x_BSD, "attn_residual")
         with jax.named_scope(f"{kind}/ffn"):
             h = self.ffn_norm(x_BSD)
             if self.is_moe:
@@ -79,6 +99,97 @@ class Block(nnx.Module):
                 y = layout.ffn.ffn_output(self.ffn(h.reshape(-1, h.shape[-1])).reshape(h.shape))
                 stats = None
         return x_BSD + y, stats
+
+    def macro_weights(self) -> "MoEBlockWeights":
+        """This MoE block's parameters as arrays (gradients flow back through these reads)."""
+        unsupported = [key for key, on in (("model.qkv_bias", getattr(self.attn, "qkv_bias", False)),
+                                           ("model.qk_norm", getattr(self.attn, "qk_norm", False)),
+                                           ("model.moe.shared_expert_gate", getattr(self.ffn, "shared_gated", False)))
+                       if on]
+        if unsupported:
+            raise ValueError(f"parallel.moe_layer='macro' does not write out {', '.join(unsupported)} yet; set "
+                             "them off or use parallel.moe_layer='autodiff'.")
+        a, f = self.attn, self.ffn
+        shared = None if f.shared is None else (f.shared.w_gate_DF[...], f.shared.w_up_DF[...], f.shared.w_down_FD[...])
+        return MoEBlockWeights(self.attn_norm.scale[...], a.wq_DHK[...], a.wk_DGK[...], a.wv_DGK[...], a.wo_HKD[...],
+                               self.ffn_norm.scale[...], f.router.w_DE[...], f.experts.weights(), shared)
+
+    def macro_math(self) -> "MoEBlockMath":
+        r = self.ffn.router
+        return MoEBlockMath(self.attn_norm.eps, self.attn.rope_theta, self.attn.implementation, r.top_k,
+                            r.renormalize, r.group_size, self.ffn.grouped_gemm)
+
+
+class MoEBlockWeights(NamedTuple):
+    """A MoE block's parameter arrays, in the layouts their modules hold them (param dtype)."""
+    attn_norm_D: jax.Array
+    wq_DHK: jax.Array
+    wk_DGK: jax.Array
+    wv_DGK: jax.Array
+    wo_HKD: jax.Array
+    ffn_norm_D: jax.Array
+    router_DE: jax.Array
+    experts: ExpertWeights
+    shared: tuple | None          # (w_gate_DF, w_up_DF, w_down_FD) of the fused shared experts, or None
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEBlockMath:
+    """A MoE block's pieces as pure functions of explicit arrays, in the arithmetic of its modules (RMSNorm,
+    Attention, Router, the experts), for a hand-written forward and backward (parallel/overlap.py). The macro
+    layer's test compares the two paths, so a change to a module that is not mirrored here fails there."""
+    norm_eps: float
+    rope_theta: float
+    attention_impl: str
+    top_k: int
+    renormalize: bool
+    balance_group_size: int
+    grouped_gemm: str
+
+    def norm(self, x, scale):
+        """layers.RMSNorm: float32 statistics, output in x's dtype."""
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.norm_eps)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+    def qkv(self, h_BSD, wq_DHK, wk_DGK, wv_DGK, positions_BS):
+        """Attention's projections and RoPE (before any communication)."""
+        dt = h_BSD.dtype
+        q = jnp.einsum("bsd,dhk->bshk", h_BSD, wq_DHK.astype(dt))
+        k = jnp.einsum("bsd,dgk->bsgk", h_BSD, wk_DGK.astype(dt))
+        v = jnp.einsum("bsd,dgk->bsgk", h_BSD, wv_DGK.astype(dt))
+        return rope(q, positions_BS, self.rope_theta), rope(k, positions_BS, self.rope_theta), v
+
+    def core(self, q, k, v):
+        return attention_core(q, k, v, self.attention_impl)
+
+    def out_proj(self, o_BSHK, wo_HKD):
+        return jnp.einsum("bshk,hkd->bsd", o_BSHK, wo_HKD.astype(o_BSHK.dtype))
+
+    def route(self, h_TD, w_DE, token_mean) -> Routing:
+        """Router: float32 logits, softmax top-k, balance and z losses (token means through `token_mean`)."""
+        logits = jnp.dot(h_TD.astype(jnp.float32), w_DE, preferred_element_type=jnp.float32)
+        return route(logits, self.top_k, self.renormalize, self.balance_group_size, token_mean)
+
+    def expert_gemm(self, x_MK, w_GKN, group_sizes):
+        return grouped_gemm_fn(self.grouped_gemm)(x_MK, w_GKN.astype(x_MK.dtype), group_sizes)
+
+    def expert_gemm_grads(self):
+        """(dgrad(dy_MN, w_GKN, gs) -> dx_MK, wgrad(x_MK, dy_MN, gs) -> dw_GKN): the grouped GEMM's backward
+        in two calls, so a collective can run between them."""
+        return grouped_gemm_grads(self.grouped_gemm)
+
+    def activation(self, gate, up):
+        """SwiGLU's activation (experts and shared experts): silu(gate) * up."""
+        return jax.nn.silu(gate) * up
+
+    def dense_in(self, h_TD, w_gate_DF, w_up_DF):
+        """The shared experts' first GEMMs (layers.DenseMLP)."""
+        dt = h_TD.dtype
+        return h_TD @ w_gate_DF.astype(dt), h_TD @ w_up_DF.astype(dt)
+
+    def dense_out(self, gate, up, w_down_FD):
+        return self.activation(gate, up) @ w_down_FD.astype(gate.dtype)
 
 
 def _stacked_blocks(cfg, count: int, moe: bool, param_dtype, kernels: Kernels, rngs: nnx.Rngs):
@@ -110,7 +221,8 @@ def scan_body(stack: nnx.Module, layout, remat: str, unrolled: bool = False):
     def body(x, layer_state):
         return nnx.merge(graphdef, layer_state)(x, layout)
 
-    if remat != Remat.NONE:
+    macro_owns_remat = getattr(stack, "is_moe", False) and getattr(layout, "block", None) is not None
+    if remat != Remat.NONE and not macro_owns_remat:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=unrolled)
     return body, state
 

@@ -19,7 +19,7 @@ from jax import lax
 
 # The one home of the jax-version detail "which mesh axes does a value vary along" is the kernels' package
 # (it sits below this one); re-exported here for the rest of megascale_jax.
-from pallas_kernels.varying import vary_like, varying_axes  # noqa: F401
+from pallas_kernels.varying import match_varying, vary_like, varying_axes  # noqa: F401
 
 # ----------------------------------------------------------------------------------------------------------
 # Ulysses sequence parallelism (attention)

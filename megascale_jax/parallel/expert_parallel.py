@@ -29,14 +29,14 @@ capacity_factor trades that for counted drops.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from megascale_jax.parallel import collectives
-from megascale_jax.parallel.permute import inverse_permutation, permute_rows, repeat_rows_sorted
+from megascale_jax.parallel import token_routes as routes
 
 DISPATCH_MODES = ("all_to_all", "all_gather")
 
@@ -132,104 +132,11 @@ def expert_parallel_wire_bytes(*, num_tokens: int, top_k: int, num_experts: int,
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Routing helpers (local, no communication)
+# The pairs: a plan and its moves (parallel/token_routes.py), each plan doubling as the combine's residual
 # ----------------------------------------------------------------------------------------------------------
 
 
-_inverse_permutation = inverse_permutation
-
-
-def _sentinel_invalid(expert_A, num_experts):
-    """Expert ids outside [0, E) become E, which sorts last, matches no rank, and is counted as dropped."""
-    valid = (expert_A >= 0) & (expert_A < num_experts)
-    return jnp.where(valid, expert_A, num_experts).astype(jnp.int32)
-
-
-def _clip_cumulative(counts_NG, capacity):
-    """Per row, keep the first `capacity` rows in group order: counts of what survives, per group."""
-    kept_cum = jnp.minimum(jnp.cumsum(counts_NG, axis=-1), capacity)
-    return jnp.diff(kept_cum, axis=-1, prepend=0)
-
-
-def _exclusive_cumsum(counts):
-    return jnp.cumsum(counts) - counts
-
-
-def sort_assignments(expert_idx_TK, num_experts: int):
-    """The one argsort of routed assignments: (expert_A with invalid ids as E, order_A, counts_E).
-
-    A = T*K assignments (token-major, a = t*K + k). order_A lists them by expert, token order kept inside
-    an expert (stable), invalid ids last; counts_E counts the valid ones per expert."""
-    expert_A = _sentinel_invalid(expert_idx_TK.reshape(-1), num_experts)
-    order_A = jnp.argsort(expert_A, stable=True)
-    counts_E = jnp.bincount(expert_A, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    return expert_A, order_A, counts_E
-
-
-def weighted_sum_over_k(y_AD, kept_A, weight_TK):
-    """The one combine: y_TD = sum_k weight[t, k] * y[t*K + k], in fp32; rows not kept contribute 0."""
-    num_tokens, top_k = weight_TK.shape
-    y_TKD = jnp.where(kept_A[:, None], y_AD, 0).reshape(num_tokens, top_k, -1)
-    return jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weight_TK.astype(jnp.float32))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# n = 1: the local sort (one device, the XLA plan, TP experts on gathered tokens)
-# ----------------------------------------------------------------------------------------------------------
-
-
-class LocalResidual(NamedTuple):
-    order_A: jax.Array          # assignment of each sorted row
-    kept_A: jax.Array           # valid expert id (invalid ids are dropped and counted)
-    dropped_tokens: jax.Array
-    tokens_per_expert: jax.Array
-
-
-def dispatch_local(x_TD, expert_idx_TK, *, num_experts: int, capacity: int | None = None, groups: int = 1):
-    """Rows of x repeated per assignment, ordered by expert: (x_MD with M = T*K, group_sizes_E, residual).
-
-    capacity: each of `groups` equal, contiguous blocks of tokens keeps only its first `capacity` rows in
-    expert order (the all_to_all dispatch at n = 1: its one destination holds ceil(c*T*K) rows); the rest
-    are dropped and counted. groups > 1 is the global view of a batch split over data-parallel devices, so
-    the XLA plan drops exactly what each device's own dispatch would. None is dropless. Rows past
-    sum(group_sizes) are junk the combine ignores."""
-    top_k = expert_idx_TK.shape[-1]
-    expert_A, order_A, counts_E = sort_assignments(expert_idx_TK, num_experts)
-    kept_A = expert_A < num_experts
-    if capacity is not None:
-        rows = expert_A.shape[0] // groups
-        group_A = jnp.arange(expert_A.shape[0], dtype=jnp.int32) // rows
-        # Rank of each assignment among its block's, in expert order; the first `capacity` stay.
-        rank_A = _inverse_permutation(jnp.argsort(group_A * (num_experts + 1) + expert_A, stable=True))
-        kept_A = kept_A & (rank_A - group_A * rows < capacity)
-        order_A = jnp.argsort(jnp.where(kept_A, expert_A, num_experts), stable=True)   # dropped rows last
-    kept_E = jnp.bincount(jnp.where(kept_A, expert_A, num_experts), length=num_experts + 1)[:num_experts]
-    dropped = (expert_A.shape[0] - kept_E.sum()).astype(jnp.int32)
-    return (repeat_rows_sorted(x_TD, order_A, top_k), kept_E.astype(jnp.int32),
-            LocalResidual(order_A, kept_A, dropped, counts_E))
-
-
-def combine_local(y_MD, residual: LocalResidual, weight_TK):
-    """Inverse of `dispatch_local` (a gather, not a scatter), then the weighted sum over k; x's dtype."""
-    y_AD = permute_rows(y_MD, _inverse_permutation(residual.order_A))
-    return weighted_sum_over_k(y_AD, residual.kept_A, weight_TK).astype(y_MD.dtype)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# all_to_all dispatch
-# ----------------------------------------------------------------------------------------------------------
-
-
-class AllToAllResidual(NamedTuple):
-    perm_R: jax.Array           # received row -> sorted row order (by local expert, then source rank)
-    valid_R: jax.Array          # received row holds a token (not padding)
-    slot_A: jax.Array           # where assignment a sits in the returned [n*C] buffer
-    kept_A: jax.Array           # assignment a was sent (not dropped)
-    dropped_tokens: jax.Array
-    tokens_per_expert: jax.Array
-
-
-def _exchange(wire: str):
+def exchange_for(wire: str):
     """The payload all-to-all: as is, or E4M3 on the wire (parallel/fp8_exchange.py)."""
     if wire == "fp8":
         from megascale_jax.parallel.fp8_exchange import exchange_tokens_fp8
@@ -238,116 +145,62 @@ def _exchange(wire: str):
     return collectives.exchange_tokens
 
 
+def gradient_exchange_for(wire: str):
+    """The all-to-all for gradients moved along a plan by a hand-written backward (parallel/overlap.py): as
+    is, or E4M3 scaled per channel over row groups, as `exchange_tokens_fp8`'s own backward sends them."""
+    if wire == "fp8":
+        from megascale_jax.parallel.fp8_exchange import dequantize_channel_groups, quantize_channel_groups
+
+        def exchange_gradients_fp8(g_NCD, axis):
+            q, scale = quantize_channel_groups(g_NCD)
+            return dequantize_channel_groups(collectives.exchange_tokens(q, axis),
+                                             collectives.exchange_tokens(scale, axis), g_NCD.dtype)
+        return exchange_gradients_fp8
+    return collectives.exchange_tokens
+
+
+def dispatch_local(x_TD, expert_idx_TK, *, num_experts: int, capacity: int | None = None, groups: int = 1):
+    """Rows of x repeated per assignment, ordered by expert: (x_MD with M = T*K, group_sizes_E, plan).
+
+    capacity: each of `groups` equal, contiguous blocks of tokens keeps only its first `capacity` rows in
+    expert order (the all_to_all dispatch at n = 1: its one destination holds ceil(c*T*K) rows); the rest
+    are dropped and counted. groups > 1 is the global view of a batch split over data-parallel devices, so
+    the XLA plan drops exactly what each device's own dispatch would. None is dropless. Rows past
+    sum(group_sizes) are junk the combine ignores."""
+    plan = routes.plan_local(expert_idx_TK, num_experts=num_experts, capacity=capacity, groups=groups)
+    return routes.send_local(x_TD, plan), plan.group_sizes, plan
+
+
+def combine_local(y_MD, plan: routes.LocalPlan, weight_TK):
+    """Inverse of `dispatch_local` (a gather, not a scatter), then the weighted sum over k; x's dtype."""
+    return routes.combine_local(y_MD, plan, weight_TK)
+
+
 def dispatch_all_to_all(x_TD, expert_idx_TK, *, axis, num_experts: int, capacity: int, wire: str = "bf16"):
     """Sender packs (token, k) rows per destination rank, ordered by expert; one all_to_all; the receiver
     orders what arrived by local expert, then source rank (the paper's order). wire='fp8': the payload
     travels as E4M3 with per-token scales (gradients per channel on the way back).
 
-    Returns (x_RD with R = n*C rows sorted by local expert, padding last; group_sizes_G; residual)."""
-    num_tokens, top_k = expert_idx_TK.shape
-    n = lax.axis_size(axis)
-    num_local = num_experts // n
-    # Sorting by global expert groups rows by destination rank, then by local expert, tokens in order.
-    expert_A, order_A, counts_E = sort_assignments(expert_idx_TK, num_experts)
-    counts_NG = counts_E.reshape(n, num_local)
-    kept_NG = _clip_cumulative(counts_NG, capacity)
-    kept_N = kept_NG.sum(axis=1)
-    dest_start_N = _exclusive_cumsum(counts_NG.sum(axis=1))
-
-    slot_C = jnp.arange(capacity)
-    send_valid_NC = slot_C[None, :] < kept_N[:, None]
-    sorted_pos_NC = jnp.minimum(dest_start_N[:, None] + slot_C[None, :], order_A.shape[0] - 1)
-    token_NC = order_A[sorted_pos_NC] // top_k
-    x_send_NCD = jnp.where(send_valid_NC[..., None], x_TD[token_NC], 0).astype(x_TD.dtype)
-
-    recv_counts_NG = collectives.exchange_counts(kept_NG, axis)
-    x_recv_NCD = _exchange(wire)(x_send_NCD, axis)
-    perm_R, valid_R, group_sizes_G = _receiver_order(recv_counts_NG, capacity)
-    x_sorted_RD = permute_rows(x_recv_NCD.reshape(n * capacity, -1), perm_R)
-
-    # Where each (token, k) row will sit in the returned buffers.
-    dest_A = expert_A // num_local  # n for invalid ids
-    pos_A = _inverse_permutation(order_A) - dest_start_N[jnp.minimum(dest_A, n - 1)]
-    kept_A = (dest_A < n) & (pos_A < capacity)
-    slot_A = jnp.where(kept_A, dest_A * capacity + pos_A, 0)
-    residual = AllToAllResidual(perm_R, valid_R, slot_A, kept_A,
-                                (expert_A.shape[0] - kept_N.sum()).astype(jnp.int32),
-                                collectives.sum_over(counts_E, axis))
-    return x_sorted_RD, group_sizes_G, residual
+    Returns (x_RD with R = n*C rows sorted by local expert, padding last; group_sizes_G; plan)."""
+    plan = routes.plan_all_to_all(expert_idx_TK, axis=axis, num_experts=num_experts, capacity=capacity)
+    return routes.send_all_to_all(x_TD, plan, axis=axis, exchange=exchange_for(wire)), plan.group_sizes, plan
 
 
-def _receiver_order(recv_counts_NG, capacity: int):
-    """Block s of the received [n, C] buffer holds, in its first sum(recv_counts_NG[s]) rows, source s's
-    rows for local experts 0..G-1 in order; the rest is padding. Returns the permutation that sorts rows by
-    (local expert, source), which rows are real, and the group sizes."""
-    n, num_local = recv_counts_NG.shape
-    ends_NG = jnp.cumsum(recv_counts_NG, axis=1)
-    slot_C = jnp.arange(capacity, dtype=ends_NG.dtype)
-    expert_NC = jax.vmap(lambda ends_G: jnp.searchsorted(ends_G, slot_C, side="right"))(ends_NG)  # G = padding
-    sort_key_R = (expert_NC * n + jnp.arange(n)[:, None]).reshape(-1)
-    perm_R = jnp.argsort(sort_key_R, stable=True)
-    return perm_R, (expert_NC < num_local).reshape(-1), recv_counts_NG.sum(axis=0).astype(jnp.int32)
-
-
-def combine_all_to_all(y_sorted_RD, residual: AllToAllResidual, weight_TK, *, axis, wire: str = "bf16"):
+def combine_all_to_all(y_sorted_RD, plan: routes.AllToAllPlan, weight_TK, *, axis, wire: str = "bf16"):
     """Rows back to their source ranks (the mirror all_to_all), then the sender's weighted sum over k."""
-    n = lax.axis_size(axis)
-    y_recv_RD = jnp.where(residual.valid_R[:, None], permute_rows(y_sorted_RD, _inverse_permutation(residual.perm_R)),
-                          0)
-    y_back_NCD = _exchange(wire)(y_recv_RD.astype(y_sorted_RD.dtype).reshape(n, -1, y_recv_RD.shape[-1]), axis)
-    y_AD = y_back_NCD.reshape(-1, y_back_NCD.shape[-1])[residual.slot_A]
-    return weighted_sum_over_k(y_AD, residual.kept_A, weight_TK).astype(y_sorted_RD.dtype)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# all_gather dispatch
-# ----------------------------------------------------------------------------------------------------------
-
-
-class AllGatherResidual(NamedTuple):
-    row_M: jax.Array            # gathered assignment of each sorted row
-    valid_M: jax.Array          # sorted row is real (not past the group sizes)
-    dropped_tokens: jax.Array
-    tokens_per_expert: jax.Array
+    return routes.combine_all_to_all(y_sorted_RD, plan, weight_TK, axis=axis, exchange=exchange_for(wire))
 
 
 def dispatch_all_gather(x_TD, expert_idx_TK, *, axis, num_experts: int):
     """All-gather tokens and routing, keep the rows routed to this rank's experts, sorted by expert
-    (stably, so source order is kept). Returns (x_MD, group_sizes_G, residual)."""
-    num_tokens, top_k = expert_idx_TK.shape
-    n = lax.axis_size(axis)
-    num_local = num_experts // n
-    x_all_RD = collectives.gather_tokens(x_TD, axis)  # R = n*T tokens, rank-major
-    expert_all_A = _sentinel_invalid(collectives.gather_tokens(expert_idx_TK, axis).reshape(-1), num_experts)
-
-    local_A = expert_all_A - lax.axis_index(axis) * num_local
-    is_local_A = (local_A >= 0) & (local_A < num_local)
-    key_A = jnp.where(is_local_A, local_A, num_local)
-    order_A = jnp.argsort(key_A, stable=True)  # local rows first, by expert, source order kept
-    counts_G = jnp.bincount(key_A, length=num_local + 1)[:num_local].astype(jnp.int32)
-    max_rows = n * num_tokens * min(top_k, num_local)
-    group_sizes_G = _clip_cumulative(counts_G, max_rows)
-
-    row_M = order_A[:max_rows]
-    valid_M = jnp.arange(max_rows) < group_sizes_G.sum()
-    x_sorted_MD = jnp.where(valid_M[:, None], x_all_RD[row_M // top_k], 0).astype(x_TD.dtype)
-    own_expert_A = _sentinel_invalid(expert_idx_TK.reshape(-1), num_experts)
-    dropped = (counts_G.sum() - group_sizes_G.sum() + jnp.sum(own_expert_A == num_experts)).astype(jnp.int32)
-    tokens_per_expert = jnp.bincount(expert_all_A, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    return x_sorted_MD, group_sizes_G, AllGatherResidual(row_M, valid_M, dropped, tokens_per_expert)
+    (stably, so source order is kept). Returns (x_MD, group_sizes_G, plan)."""
+    plan = routes.plan_all_gather(expert_idx_TK, axis=axis, num_experts=num_experts)
+    return routes.send_all_gather(x_TD, plan, axis=axis), plan.group_sizes, plan
 
 
-def combine_all_gather(y_sorted_MD, residual: AllGatherResidual, weight_TK, *, axis):
+def combine_all_gather(y_sorted_MD, plan: routes.AllGatherPlan, weight_TK, *, axis):
     """Weight and sum the rows per gathered token into [n*T, D] in fp32, then reduce-scatter to [T, D]."""
-    num_tokens, top_k = weight_TK.shape
-    n = lax.axis_size(axis)
-    weight_all_A = collectives.gather_tokens(weight_TK, axis).reshape(-1)
-    weight_M = jnp.where(residual.valid_M, weight_all_A[residual.row_M].astype(jnp.float32), 0)
-    contrib_MD = jnp.where(residual.valid_M[:, None], y_sorted_MD.astype(jnp.float32) * weight_M[:, None], 0)
-    y_all_RD = jnp.zeros((n * num_tokens, y_sorted_MD.shape[-1]), jnp.float32).at[residual.row_M // top_k].add(
-        contrib_MD)
-    # Cast before the reduce-scatter: the wire carries activation bytes, as the all_to_all path does.
-    return collectives.scatter_sum_tokens(y_all_RD.astype(y_sorted_MD.dtype), axis)
+    return routes.combine_all_gather(y_sorted_MD, plan, weight_TK, axis=axis)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -32,8 +32,10 @@ from jax import lax
 
 from megascale_jax.parallel import collectives
 from megascale_jax.parallel import expert_parallel as ep
-from megascale_jax.parallel.plan import (DATA, INTRA, AttentionPlan, DispatchDType, EPDispatch, FFNPlan, ParallelPlan,
-                                         PlanKind)
+from megascale_jax.parallel import token_routes as routes
+from megascale_jax.parallel.overlap import MacroBlock
+from megascale_jax.parallel.plan import (DATA, INTRA, AttentionPlan, DispatchDType, EPDispatch, FFNPlan, MoELayer,
+                                         ParallelPlan, PlanKind)
 
 
 def _varying(x, axes) -> tuple[str, ...]:
@@ -181,6 +183,29 @@ class LocalDispatch:
     def combine(self, y_MD, residual, weight_TK):
         return ep.combine_local(y_MD, residual, weight_TK)
 
+    # The dispatch as a plan and linear moves (parallel/token_routes.py), for the macro layer's hand-written
+    # backward: gradients travel along the forward's plan, each collective placed by parallel/overlap.py.
+    def plan(self, idx_TK):
+        num_tokens, top_k = idx_TK.shape
+        capacity = (ep.rows_per_destination(num_tokens, top_k, self.num_experts, 1, self.capacity_factor)
+                    if self.capacity_factor else None)
+        return routes.plan_local(idx_TK, num_experts=self.num_experts, capacity=capacity)
+
+    def send(self, x_TD, plan, *, gradient: bool = False):
+        return routes.send_local(x_TD, plan)
+
+    def send_transpose(self, dx_MD, plan, num_tokens: int):
+        return routes.send_local_transpose(dx_MD, plan, num_tokens)
+
+    def combine_rows(self, y_MD, plan, weight_TK):
+        return routes.combine_local(y_MD, plan, weight_TK)
+
+    def weights_to_rows(self, weight_TK, plan):
+        return routes.assignments_to_rows_local(weight_TK.reshape(-1), plan)
+
+    def rows_to_weights(self, s_M, plan, shape_TK):
+        return routes.rows_to_assignments_local(s_M, plan).reshape(shape_TK)
+
     # The hooks a fused dispatch+GEMM kernel overrides; unfused they are the phases in sequence.
     def first_gemm_dispatch(self, x_TD, routing, first_gemm: GemmFn):
         """(first_gemm(x_MD, group_sizes), group_sizes, residual)."""
@@ -226,6 +251,29 @@ class AllToAllDispatch(LocalDispatch):
     def combine(self, y_MD, residual, weight_TK):
         return ep.combine_all_to_all(y_MD, residual, weight_TK, axis=self.axis, wire=self.wire)
 
+    def plan(self, idx_TK):
+        num_tokens, top_k = idx_TK.shape
+        capacity = ep.rows_per_destination(num_tokens, top_k, self.num_experts, lax.axis_size(self.axis),
+                                           self.capacity_factor or None)
+        return routes.plan_all_to_all(idx_TK, axis=self.axis, num_experts=self.num_experts, capacity=capacity)
+
+    def send(self, x_TD, plan, *, gradient: bool = False):
+        exchange = ep.gradient_exchange_for(self.wire) if gradient else ep.exchange_for(self.wire)
+        return routes.send_all_to_all(x_TD, plan, axis=self.axis, exchange=exchange)
+
+    def send_transpose(self, dx_MD, plan, num_tokens: int):
+        return routes.send_all_to_all_transpose(dx_MD, plan, num_tokens, axis=self.axis,
+                                                exchange=ep.gradient_exchange_for(self.wire))
+
+    def combine_rows(self, y_MD, plan, weight_TK):
+        return routes.combine_all_to_all(y_MD, plan, weight_TK, axis=self.axis, exchange=ep.exchange_for(self.wire))
+
+    def weights_to_rows(self, weight_TK, plan):
+        return routes.assignments_to_rows_all_to_all(weight_TK.reshape(-1), plan, axis=self.axis)
+
+    def rows_to_weights(self, s_M, plan, shape_TK):
+        return routes.rows_to_assignments_all_to_all(s_M, plan, axis=self.axis).reshape(shape_TK)
+
 
 @dataclasses.dataclass(frozen=True)
 class AllGatherDispatch(LocalDispatch):
@@ -238,6 +286,25 @@ class AllGatherDispatch(LocalDispatch):
     def combine(self, y_MD, residual, weight_TK):
         return ep.combine_all_gather(y_MD, residual, weight_TK, axis=self.axis)
 
+    def plan(self, idx_TK):
+        return routes.plan_all_gather(idx_TK, axis=self.axis, num_experts=self.num_experts)
+
+    def send(self, x_TD, plan, *, gradient: bool = False):
+        return routes.send_all_gather(x_TD, plan, axis=self.axis)
+
+    def send_transpose(self, dx_MD, plan, num_tokens: int):
+        return routes.send_all_gather_transpose(dx_MD, plan, num_tokens, axis=self.axis)
+
+    def combine_rows(self, y_MD, plan, weight_TK):
+        return routes.combine_all_gather(y_MD, plan, weight_TK, axis=self.axis)
+
+    def weights_to_rows(self, weight_TK, plan):
+        return routes.assignments_to_rows_all_gather(weight_TK.reshape(-1), plan, axis=self.axis)
+
+    def rows_to_weights(self, s_M, plan, shape_TK):
+        num_tokens, top_k = shape_TK
+        return routes.rows_to_assignments_all_gather(s_M, plan, num_tokens * top_k, axis=self.axis).reshape(shape_TK)
+
 
 # ------------------------------------------------------------------------------------------ the layout
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +312,7 @@ class Layout:
     reductions: Reductions
     attention: AttentionComm
     ffn: FFNDispatcher
+    block: Any = None    # the MoE block as one strategy (parallel/overlap.py MacroBlock); None = autodiff
 
 
 def local_layout(num_experts: int, capacity_factor: float = 0.0) -> Layout:
@@ -252,9 +320,22 @@ def local_layout(num_experts: int, capacity_factor: float = 0.0) -> Layout:
     return Layout(GlobalReductions(), LocalAttention(), LocalDispatch(num_experts, capacity_factor))
 
 
-def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int) -> Layout:
+def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int, moe_layer: str = MoELayer.AUTODIFF,
+                remat: str = "none", overlap_chunks: int = 1) -> Layout:
     """The layout `plan` calls for. Per device (manual plan or pipeline) reductions go over the mesh; the
-    SP / TP / EP strategies exist only under the manual plan (under XLA the compiler communicates)."""
+    SP / TP / EP strategies exist only under the manual plan (under XLA the compiler communicates).
+    moe_layer='macro' adds the macro block (parallel/overlap.py), which then owns the MoE blocks' remat."""
+    layout = _plain_layout(plan, num_heads=num_heads, num_experts=num_experts)
+    if moe_layer == MoELayer.AUTODIFF:
+        return layout
+    if not plan.per_device or isinstance(layout.ffn, TensorParallelDispatch):
+        raise ValueError(f"parallel.moe_layer='macro' writes out the per-device SP/TP-attention + EP-MoE block "
+                         f"(plan={plan.kind}, ffn={plan.ffn}); use plan='manual' with ffn='ep', or moe_layer='autodiff'.")
+    return dataclasses.replace(layout, block=MacroBlock(layout.attention, layout.ffn, layout.reductions,
+                                                        remat=remat, chunks=overlap_chunks))
+
+
+def _plain_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int) -> Layout:
     reductions = DeviceReductions() if plan.per_device else GlobalReductions()
     if plan.kind != PlanKind.MANUAL or plan.intra == 1:
         groups = 1 if plan.per_device else plan.data   # the global view sees every data rank's tokens

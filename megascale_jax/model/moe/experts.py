@@ -17,8 +17,10 @@ from enum import StrEnum
 from typing import Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from pallas_kernels.varying import vary_like
 
 from megascale_jax.model.layers import param
 
@@ -62,6 +64,36 @@ def grouped_gemm_fn(implementation: str) -> GroupedGemm:
                      f"xla, pallas (config.kernels.grouped_gemm; 'auto' is resolved by resolve_grouped_gemm).")
 
 
+GemmGrad = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def grouped_gemm_grads(implementation: str) -> tuple[GemmGrad, GemmGrad]:
+    """The backward of `grouped_gemm_fn(implementation)` as two separate calls, so a hand-written backward can
+    put communication between them (parallel/overlap.py):
+        dgrad(dy_MN, w_GKN, group_sizes_G) -> dx_MK     in dy's dtype
+        wgrad(x_MK, dy_MN, group_sizes_G)  -> dw_GKN    in x's dtype
+    xla: the transposes of `lax.ragged_dot` that autodiff uses; pallas: the kernel's own dgrad / wgrad entry
+    points (the ones its custom VJP calls)."""
+    if implementation == GroupedGemmImpl.XLA:
+        # The pullback at a zero point (the product is linear; its unused forward is dead code), typed like the
+        # cotangent inside shard_map so the transpose adds nothing over mesh axes: the caller types the result.
+        def dgrad(dy_MN, w_GKN, group_sizes_G):
+            x_MK = vary_like(jnp.zeros((dy_MN.shape[0], w_GKN.shape[1]), dy_MN.dtype), dy_MN, w_GKN)
+            return jax.vjp(lambda x: jax.lax.ragged_dot(x, w_GKN, group_sizes_G), x_MK)[1](dy_MN)[0]
+
+        def wgrad(x_MK, dy_MN, group_sizes_G):
+            w_GKN = vary_like(jnp.zeros((group_sizes_G.shape[0], x_MK.shape[1], dy_MN.shape[1]), x_MK.dtype),
+                              x_MK, dy_MN)
+            return jax.vjp(lambda w: jax.lax.ragged_dot(x_MK, w, group_sizes_G), w_GKN)[1](dy_MN)[0]
+        return dgrad, wgrad
+    if implementation == GroupedGemmImpl.PALLAS:
+        from pallas_kernels.grouped_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
+
+        return (lambda dy, w, gs: grouped_gemm_dgrad(dy.astype(w.dtype), w, gs, preferred_element_type=dy.dtype),
+                lambda x, dy, gs: grouped_gemm_wgrad(x, dy.astype(x.dtype), gs, preferred_element_type=x.dtype))
+    raise ValueError(f"grouped GEMM implementation {implementation!r} is not resolved; choose one of xla, pallas.")
+
+
 class ExpertWeights(NamedTuple):
     gate_EDF: jax.Array
     up_EDF: jax.Array
@@ -71,8 +103,9 @@ class ExpertWeights(NamedTuple):
 def expert_hidden(x_MD, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm):
     """The first expert GEMMs and the activation: silu(x @ gate_e) * (x @ up_e)."""
     dt = x_MD.dtype
-    gate = gemm(x_MD, weights.gate_EDF.astype(dt), group_sizes_E)
-    up = gemm(x_MD, weights.up_EDF.astype(dt), group_sizes_E)
+    # Named for the selective remat policy (model/transformer.py): GEMM outputs are kept, the activation is not.
+    gate = checkpoint_name(gemm(x_MD, weights.gate_EDF.astype(dt), group_sizes_E), "expert_gate")
+    up = checkpoint_name(gemm(x_MD, weights.up_EDF.astype(dt), group_sizes_E), "expert_up")
     return jax.nn.silu(gate) * up
 
 
