@@ -9,28 +9,19 @@ MFU, step breakdown and memory, the Megatron-style baseline and the ratios, and 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
-from megascale_jax.planner import cost, efficiency, hardware, measured, paper, search, systems
+from megascale_jax.planner import cost, hardware, measured, paper, report, search, systems
 from megascale_jax.planner import workload as wl
 
 SYSTEMS = {"ours": systems.ours, "megascale": systems.megascale, "megatron": systems.megatron}
-
-
-def _fmt_plan(p: cost.Plan, gpus: int) -> str:
-    sched = f"{p.schedule}" + (f"/v{p.virtual_stages}" if p.virtual_stages > 1 else "") if p.pipe > 1 else "-"
-    disp = {"all_to_all": "a2a", "all_gather": "ag"}[p.ep_dispatch] if wl.RECIPES[p.recipe][1] == "ep" and p.intra > 1 else "-"
-    return (f"{search.RECIPE_NAMES[p.recipe]:5s} n={p.intra} pp={p.pipe:<2d} dp={p.data(gpus):<3d} {sched:14s} "
-            f"M={p.microbatches:<3d} b={p.microbatch_size(gpus)} {disp:3s} remat={p.remat:9s} "
-            f"{'zero1' if p.optimizer_sharding == 'zero1' else 'repl.'}/{p.grad_comm}")
 
 
 def _fmt_est(e: cost.Estimate, gpus: int) -> str:
     b = e.breakdown
     other = b["dp_sync"] + b["optimizer"] + b["host"]
     ticks = f" + ticks {b['pipeline_ticks']:.3f}" if b["pipeline_ticks"] else ""
-    return (f"{_fmt_plan(e.plan, gpus)} | {e.tokens_per_s / 1e3:8.1f}k tok/s MFU {e.mfu * 100:4.1f}% | step "
+    return (f"{report.fmt_plan(e.plan, gpus)} | {e.tokens_per_s / 1e3:8.1f}k tok/s MFU {e.mfu * 100:4.1f}% | step "
             f"{e.step_s:7.3f}s = compute {b['compute']:.3f} + comm {b['exposed_comm']:.3f} + bubble "
             f"{b['bubble']:.3f}{ticks} + dp/opt {other:.3f} | mem {e.memory_gb['total']:5.1f}/"
             f"{e.memory_gb['usable']:.0f} GB")
@@ -82,7 +73,7 @@ def plan_cluster(args) -> None:
         for e in excluded:
             if len(seen) == 3:
                 break
-            seen.append(f"{_fmt_plan(e.plan, cluster.num_gpus)}: {e.reason}")
+            seen.append(f"{report.fmt_plan(e.plan, cluster.num_gpus)}: {e.reason}")
         print("\nexcluded, e.g.:\n  " + "\n  ".join(seen))
     if fits and fits[0].notes:
         print("\nnote on the best plan: " + "; ".join(fits[0].notes))
@@ -91,52 +82,7 @@ def plan_cluster(args) -> None:
               + " ".join(search.overrides(fits[0].plan)))
     if (cfg.name, args.gpu, gb, sh.seq) == (paper.CONFIG, paper.GPU, paper.GLOBAL_BATCH, paper.SEQ) \
             and args.gpus in paper.ROWS:
-        print_paper_rows([args.gpus])
-
-
-def print_paper_rows(gpu_counts) -> list[dict]:
-    print(f"\nPaper comparison ({paper.SOURCE}); MegaScale-MoE and Megatron-LM priced as the paper describes them, "
-          f"pipe={paper.PIPE}, intra={paper.INTRA}, network 400 Gb/s per GPU (assumed):")
-    print(f"  {'GPUs':>5s} {'predicted':>10s} {'reported':>10s} {'error':>7s} {'MFU pred/rep':>13s} "
-          f"{'Megatron pred':>13s} {'ratio':>6s} {'reported':>8s} {'diff':>6s}")
-    rows = []
-    for g in gpu_counts:
-        r = paper.row(g)
-        rows.append(r)
-        print(f"  {g:5d} {r['megascale']['tokens_per_s'] / 1e3:9.1f}k {r['reported_tokens_per_s'] / 1e3:9.1f}k "
-              f"{r['error'] * 100:+6.0f}% {r['megascale']['mfu'] * 100:5.1f}/{r['reported_mfu'] * 100:4.1f}% "
-              f"{r['megatron']['tokens_per_s'] / 1e3:12.1f}k {r['ratio']:6.2f} {r['reported_ratio']:8.2f} "
-              f"{r['ratio_error']:+6.2f} {'ok' if r['within'] else 'OUT'}/{'ok' if r['ratio_within'] else 'OUT'}")
-        print(f"        MegaScale: {_fmt_plan(cost.Plan(**r['megascale']['plan']), g)}")
-        print(f"        Megatron:  {_fmt_plan(cost.Plan(**r['megatron']['plan']), g)}")
-    return rows
-
-
-def explain() -> None:
-    print("\nParameters and their sources:")
-    rows = hardware.hardware_sources() + efficiency.efficiency_sources() + [
-        ("overlap fused", f"{systems.FUSED:g}", systems.OVERLAP_SOURCE["fused"]),
-        ("overlap inter_op", f"{systems.INTER_OP:g}", systems.OVERLAP_SOURCE["inter_op"]),
-        ("paper network", "400 Gb/s per GPU", "assumption (not disclosed); 200 Gb/s in the sensitivity table")]
-    for name, value, src in rows:
-        print(f"  {name:34s} {value:>28s}  {src}")
-
-
-def write_results(path: str) -> dict:
-    rows = [paper.row(g) for g in paper.ROWS]
-    out = {"benchmark": "planner", "paper_source": paper.SOURCE, "paper_rows": rows,
-           "ours_on_paper_cluster": {g: paper.ours_row(g) for g in paper.ROWS},
-           "sensitivity_1440": paper.sensitivity(1440),
-           "mixtral_8x7b_8xh200": {"zero_tail_kernel (today)": paper.mixtral_8xh200(True),
-                                   "zero_tail_mask (tail skipped)": paper.mixtral_8xh200(False)},
-           "measured_comparison": measured.compare(),
-           "sources": [{"parameter": a, "value": b, "source": c} for a, b, c in
-                       hardware.hardware_sources() + efficiency.efficiency_sources()],
-           "assumptions": {"overlap_fused": systems.FUSED, "overlap_inter_op": systems.INTER_OP,
-                           "paper_network_gbit": 400, "usable_hbm_fraction": hardware.USABLE_HBM_FRACTION}}
-    with open(path, "w") as fh:
-        json.dump(out, fh, indent=1, default=float)
-    return out
+        report.print_paper_rows([args.gpus])
 
 
 def main() -> None:
@@ -154,28 +100,24 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=5)
     ap.add_argument("--emit", action="store_true", help="print the best plan as train overrides (always shown)")
     ap.add_argument("--explain", action="store_true", help="print every parameter with its source")
-    ap.add_argument("--paper-table", action="store_true", help="all five paper rows and the sensitivity")
-    ap.add_argument("--measured", action="store_true", help="predictions vs our committed measurements")
+    ap.add_argument("--paper-table", action="store_true",
+                    help="all five paper rows, the diagnostics of each factor and the sensitivity (diagnose.py)")
+    ap.add_argument("--measured", action="store_true",
+                    help="predictions vs our committed measurements, by role (derivation / held out)")
     ap.add_argument("--write", default="", help="write the planner JSON (paper rows, Mixtral choice, ...)")
     args = ap.parse_args()
     if args.paper_table:
-        print_paper_rows(list(paper.ROWS))
-        print("\nsensitivity at 1440 GPUs:")
-        for s in paper.sensitivity(1440):
-            print(f"  {s['what']:50s} MegaScale {s['megascale'] / 1e3:7.1f}k  Megatron {s['megatron'] / 1e3:7.1f}k  "
-                  f"ratio {s['ratio']:.2f}")
+        report.print_paper_rows(list(paper.ROWS))
+        report.print_diagnostics(report.diagnostics())
     elif args.measured:
-        for r in measured.compare():
-            flag = "ok" if r["ok"] else ("outlier (documented)" if r["outlier"] else "OUTSIDE")
-            print(f"  {r['label']:60s} measured {r['measured']:9.0f} predicted {r['predicted']:9.0f} "
-                  f"{r['error'] * 100:+6.1f}% {flag}")
+        report.print_measured(measured.compare())
     elif args.write:
-        write_results(args.write)
+        report.write_results(args.write)
         print(f"wrote {args.write}")
     else:
         plan_cluster(args)
     if args.explain:
-        explain()
+        report.explain()
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ class Plan:
     optimizer_sharding: str = "none"
     grad_comm: str = "fp32"
     global_batch: int = 8
+    recompute_layers: int = 0     # remat='partial': this many layers of each chunk fully recomputed, the rest
+    #                               'selective' (Megatron-LM's --recompute-num-layers); systems.partial_remat
 
     def data(self, num_gpus: int) -> int:
         return num_gpus // (self.intra * self.pipe)
@@ -70,39 +72,53 @@ def _tables(schedule: str, stages: int, microbatches: int, virtual: int):
     return s.tables["f_on"].astype(float), s.tables["b_on"].astype(float), s.stash_slots, s.grad_slots
 
 
-def _layer_times(lw, plan, sys, cluster, stage_recompute: bool):
-    """(F compute, F exposed comm, B compute, B exposed comm) seconds for one layer, one microbatch."""
-    gpu = cluster.gpu
-    peak = gpu.peak_bf16_tflops * 1e12
-    fc = bc = 0.0
+def layer_parts(lw, plan, sys, cluster, stage_recompute: bool = False) -> dict:
+    """Seconds for one layer, one microbatch, by category -> (forward, backward incl. recompute): grouped GEMM,
+    dense GEMM, attention core, elementwise, communication (before any overlap)."""
+    peak = cluster.gpu.peak_bf16_tflops * 1e12
     rc = 1.0 if stage_recompute else 0.0
+    parts = {"grouped_gemm": [0.0, 0.0], "dense_gemm": [0.0, 0.0]}
     for g in lw.gemms:
         if g.grouped:
             rate = eff.grouped_gemm_efficiency(g.rows_per_group, g.k, g.n, sys.grouped_gemm, g.groups) * peak
         else:
             rate = eff.dense_gemm_efficiency(g.rows_per_group, g.k, g.n) * peak
-        t = g.flops / rate
+        t = g.flops / rate * (sys.expert_load if g.grouped and wl.RECIPES[plan.recipe][1] == "ep" else 1.0)
         tail = g.tail_rows_frac * sys.tail_cost if (g.grouped and sys.padded_dispatch) else 0.0
         fwd = t * (1 + tail)
-        fc += fwd
         tags = g.remat if sys.selective == "ours" else tuple(x for x in g.remat if x != "selective")
-        bc += 2 * t + t * tail + (eff.fwd_count(plan.remat, tags) - 1 + rc) * fwd
-    ta = lw.attn_flops / (eff.attention_efficiency() * peak)
-    fc += ta
-    bc += 2 * ta + (eff.fwd_count(plan.remat, ("full", "selective") if sys.selective == "core" else ("full",))
-                    - 1 + rc) * ta
-    hbm = cluster.hbm_bw() * eff.elementwise_efficiency()
-    fc += lw.ew_fwd / hbm
-    bc += lw.ew_bwd / hbm + (eff.fwd_count(plan.remat, ("full", "selective")) - 1 + rc) * lw.ew_fwd / hbm
+        part = parts["grouped_gemm" if g.grouped else "dense_gemm"]
+        part[0] += fwd
+        part[1] += 2 * t + t * tail + (eff.fwd_count(plan.remat, tags) - 1 + rc) * fwd
+    ta = lw.attn_flops / (eff.attention_efficiency() * sys.attention_speed * peak)
+    parts["attention"] = [ta, 2 * ta + (eff.fwd_count(plan.remat, ("full", "selective") if sys.selective == "core"
+                                                      else ("full",)) - 1 + rc) * ta]
+    hbm = cluster.hbm_bw() * eff.elementwise_efficiency() * sys.elementwise_speed
+    parts["elementwise"] = [lw.ew_fwd / hbm,
+                            lw.ew_bwd / hbm + (eff.fwd_count(plan.remat, ("full", "selective")) - 1 + rc) * lw.ew_fwd / hbm]
     bw, lat = cluster.bandwidth(plan.intra, 1)
     cf = cb = 0.0
     for c in lw.comms:
         t = c.bytes / bw + lat * c.calls
         cf += t
         cb += t * (1 + eff.fwd_count(plan.remat, c.remat) - 1 + rc)
+    parts["comm"] = [cf, cb]
+    return {k: tuple(v) for k, v in parts.items()}
+
+
+def _layer_times(lw, plan, sys, cluster, stage_recompute: bool):
+    """(F compute, F exposed comm, B compute, B exposed comm) seconds for one layer, one microbatch."""
+    parts = layer_parts(lw, plan, sys, cluster, stage_recompute)
+    fc = sum(v[0] for k, v in parts.items() if k != "comm")
+    bc = sum(v[1] for k, v in parts.items() if k != "comm")
+    cf, cb = parts["comm"]
     hidden = sys.layer_hidden.get(plan.recipe, 0.0)
     fx = max(cf * (1 - hidden), cf - fc)
     bx = max(cb * (1 - hidden), cb - bc)
+    if sys.fa_gg_share:   # a layer at least (attention + grouped GEMM) / share long; the rest as other ops, 1:2
+        core = sum(parts["attention"]) + sum(parts["grouped_gemm"])
+        extra = max(core / sys.fa_gg_share - (fc + fx + bc + bx), 0.0)
+        fc, bc = fc + extra / 3, bc + 2 * extra / 3
     return fc, fx, bc, bx
 
 
@@ -110,16 +126,23 @@ def _stage_costs(sh, plan, sys, cluster, T):
     """Per-stage (F, B) seconds of one chunk-microbatch and the compute / exposed-comm parts."""
     n, S, V = plan.intra, plan.pipe, plan.virtual_stages
     rc = S > 1 and sys.pipeline_recompute
-    moe = _layer_times(wl.layer_work(sh, plan.recipe, T, n, dispatch=plan.ep_dispatch,
-                                     padded=sys.padded_dispatch), plan, sys, cluster, rc)
+    lw = wl.layer_work(sh, plan.recipe, T, n, dispatch=plan.ep_dispatch, padded=sys.padded_dispatch)
     per_chunk = sh.moe_layers // (S * V)
+    if plan.remat == "partial":
+        k = plan.recompute_layers
+        full = _layer_times(lw, dataclasses.replace(plan, remat="full"), sys, cluster, rc)
+        rest = _layer_times(lw, dataclasses.replace(plan, remat="selective"), sys, cluster, rc)
+        moe = [(k * a + (per_chunk - k) * b) / per_chunk for a, b in zip(full, rest)]
+    else:
+        moe = _layer_times(lw, plan, sys, cluster, rc)
     F_c = np.full(S, moe[0] * per_chunk)
     F_x = np.full(S, moe[1] * per_chunk)
     B_c = np.full(S, moe[2] * per_chunk)
     B_x = np.full(S, moe[3] * per_chunk)
     if sh.dense_layers:   # leading dense layers run on the first stage
+        dplan = dataclasses.replace(plan, remat="selective") if plan.remat == "partial" else plan
         d = _layer_times(wl.layer_work(sh, plan.recipe, T, n, dense=True, padded=sys.padded_dispatch),
-                         plan, sys, cluster, rc)
+                         dplan, sys, cluster, rc)
         F_c[0] += d[0] * sh.dense_layers / V
         F_x[0] += d[1] * sh.dense_layers / V
         B_c[0] += d[2] * sh.dense_layers / V
@@ -175,7 +198,10 @@ def _memory(sh, plan, sys, cluster, T, dp, stage_params, stash, grad_slots):
     unit = T / n * sh.h * wl.BF16
     per_chunk = sh.moe_layers // (S * V) + (sh.dense_layers if S > 1 else 0)
     work = lw.act_units["none"] if plan.remat != "none" else 0.0
-    saved = lw.act_units["selective_core" if plan.remat == "selective" and sys.selective == "core" else plan.remat]
+    sel = "selective_core" if sys.selective == "core" else "selective"
+    saved = lw.act_units[sel if plan.remat == "selective" else plan.remat] if plan.remat != "partial" else \
+        (plan.recompute_layers * lw.act_units["full"] + (per_chunk - plan.recompute_layers) * lw.act_units[sel]) \
+        / per_chunk
     if S == 1:
         act = sh.layers * saved + work
     elif sys.pipeline_recompute:
@@ -207,6 +233,8 @@ def validate(sh, plan, num_gpus: int, gpus_per_node: int) -> str:
         (plan.schedule != "interleaved" or (V >= 2 and M % S == 0), "interleaved needs V >= 2 and M % pipe == 0"),
         (plan.schedule == "interleaved" or V == 1, "virtual_stages > 1 needs the interleaved schedule"),
         (plan.grad_comm == "fp32" or plan.optimizer_sharding == "zero1", "bf16/fp8 grad_comm needs zero1"),
+        (plan.remat != "partial" or 0 < plan.recompute_layers < sh.moe_layers // (S * V),
+         "remat=partial needs 0 < recompute_layers < layers per chunk"),
     ]
     for ok, why in checks:
         if not ok:
@@ -223,6 +251,8 @@ def evaluate(sh: wl.Shape, plan: Plan, cluster, sys, flops_per_token: float) -> 
     """Step time, tokens/s, MFU, breakdown and memory of `plan` for model `sh` on `cluster` run by `sys`."""
     G = cluster.num_gpus
     why = validate(sh, plan, G, cluster.gpus_per_node)
+    if plan.remat == "partial" and not sys.partial_remat:
+        why = f"system '{sys.name}' has no partial recompute"
     if why:
         raise ValueError(why)
     dp, M, S, V = plan.data(G), plan.microbatches, plan.pipe, plan.virtual_stages

@@ -16,10 +16,13 @@ _NV_A100 = "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB), https://www.nvidi
 _DEEPEP = ("DeepEP README (deepseek-ai/DeepEP, H800 + CX7 400 Gb/s): '~160 GB/s NVLink maximum', '~50 GB/s' "
            "RDMA maximum; measured intranode EP8 dispatch/combine 153/158 GB/s, internode 43-47 GB/s")
 _H800 = ("H800 SXM5 = H100 SXM5 silicon with NVLink cut to 400 GB/s bidirectional and FP64 cut (NVIDIA export "
-         "variant, 2023; e.g. aiwiki.ai/wiki/nvidia_h800); tensor rates, HBM as H100 SXM5")
+         "variant, 2023; e.g. aiwiki.ai/wiki/nvidia_h800); tensor rates, HBM as H100 SXM5; the MegaScale-MoE paper's "
+         "Table 4 gives the same: 989 TFLOPS, 80 GB, 3.4 TB/s, NVLink 400 GB/s")
 _H20 = ("NVIDIA HGX H20 (export variant, 2024) as published by OEM/spec aggregators (e.g. "
         "willitrunai.com/gpus/h20-96gb): 148 TFLOPS FP16/BF16 dense, 296 FP8, 96 GB HBM3 4.0 TB/s, NVLink 900 GB/s")
-_DGX_H100 = "NVIDIA DGX H100/H200 user guide: 8x ConnectX-7 400 Gb/s InfiniBand/Ethernet, one per GPU"
+_DGX_H100 = ("NVIDIA DGX H100/H200 user guide: 8x ConnectX-7 400 Gb/s InfiniBand/Ethernet, one per GPU; the "
+             "MegaScale-MoE paper (Appendix A.1) calls 'the inter-device NIC communication bandwidth 50 GB/s' the "
+             "typical H100 SXM machine (its own cluster's network is not stated)")
 _DGX_A100 = "NVIDIA DGX A100 user guide: 8x ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU"
 _OURS_LINK = ("benchmarks/results/plans_2xh200.json profiles (2 x H200, NV18): comm ms fitted to calls x latency "
               "+ wire bytes / bandwidth over the manual plans -- efficiency.link_fit()")
@@ -84,6 +87,7 @@ class Cluster:
     gpus_per_node: int
     nodes: int
     net_gbit: float
+    usable_fraction: float = USABLE_HBM_FRACTION
 
     @property
     def num_gpus(self) -> int:
@@ -101,7 +105,7 @@ class Cluster:
         return self.gpu.hbm_tbps * 1e12
 
     def usable_hbm(self) -> float:
-        return self.gpu.hbm_gb * 1e9 * USABLE_HBM_FRACTION
+        return self.gpu.hbm_gb * 1e9 * self.usable_fraction
 
     def group_in_node(self, size: int, stride: int) -> bool:
         """Whether a group of `size` devices spaced `stride` apart (row-major mesh) stays inside one node."""

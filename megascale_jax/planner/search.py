@@ -20,8 +20,17 @@ def _divisors(x: int) -> list[int]:
     return [d for d in range(1, x + 1) if x % d == 0]
 
 
+def _remats(sh, pipe: int, virtual: int, partial: bool):
+    """(remat, recompute_layers) choices: none / selective / full, and with `partial` every count of fully
+    recomputed layers per chunk between none and all."""
+    out = [("none", 0), ("selective", 0), ("full", 0)]
+    if partial:
+        out += [("partial", k) for k in range(1, sh.moe_layers // (pipe * virtual))]
+    return out
+
+
 def enumerate_plans(sh: wl.Shape, num_gpus: int, gpus_per_node: int, global_batch: int, recipes=None,
-                    fixed: dict | None = None):
+                    fixed: dict | None = None, partial_remat: bool = False):
     """Every valid Plan; `fixed` pins fields (e.g. {'pipe': 15, 'intra': 8})."""
     fixed = fixed or {}
     recipes = recipes or list(wl.RECIPES)
@@ -43,11 +52,11 @@ def enumerate_plans(sh: wl.Shape, num_gpus: int, gpus_per_node: int, global_batc
                 if per_replica // m > MAX_MICROBATCH_SEQUENCES:
                     continue
                 dispatches = ["all_to_all", "all_gather"] if wl.RECIPES[recipe][1] == "ep" and n > 1 else ["all_to_all"]
-                for disp, remat in itertools.product(dispatches, ("none", "selective", "full")):
+                for disp, (remat, k) in itertools.product(dispatches, _remats(sh, pipe, v, partial_remat)):
                     for zero, gc in (("none", "fp32"), ("zero1", "fp32"), ("zero1", "bf16"), ("zero1", "fp8")):
                         if zero == "zero1" and dp == 1:
                             continue
-                        plan = cost.Plan(recipe, n, pipe, sched, v, m, disp, remat, zero, gc, global_batch)
+                        plan = cost.Plan(recipe, n, pipe, sched, v, m, disp, remat, zero, gc, global_batch, k)
                         if any(getattr(plan, k) != val for k, val in fixed.items()):
                             continue
                         if not cost.validate(sh, plan, num_gpus, gpus_per_node):
@@ -57,7 +66,8 @@ def enumerate_plans(sh: wl.Shape, num_gpus: int, gpus_per_node: int, global_batc
 def rank(sh, cluster, system, global_batch: int, flops_per_token: float, recipes=None, fixed=None):
     """(fitting estimates, best first; excluded estimates with reasons)."""
     fits, excluded = [], []
-    for plan in enumerate_plans(sh, cluster.num_gpus, cluster.gpus_per_node, global_batch, recipes, fixed):
+    for plan in enumerate_plans(sh, cluster.num_gpus, cluster.gpus_per_node, global_batch, recipes, fixed,
+                                system.partial_remat):
         est = cost.evaluate(sh, plan, cluster, system, flops_per_token)
         (fits if est.fits else excluded).append(est)
     fits.sort(key=lambda e: -e.tokens_per_s)
@@ -80,7 +90,9 @@ def overrides(plan: cost.Plan) -> list[str]:
     out += [f"--config.train.microbatches={plan.microbatches}"]
     if wl.RECIPES[plan.recipe][1] == "ep" and plan.intra > 1:
         out += [f"--config.parallel.ep_dispatch={plan.ep_dispatch}"]
-    out += [f"--config.train.remat={plan.remat}", f"--config.parallel.optimizer_sharding={plan.optimizer_sharding}",
+    # this code has no partial recompute: a 'partial' plan (paper systems only) maps to its nearest, 'full'
+    remat = "full" if plan.remat == "partial" else plan.remat
+    out += [f"--config.train.remat={remat}", f"--config.parallel.optimizer_sharding={plan.optimizer_sharding}",
             f"--config.parallel.grad_comm={plan.grad_comm}", f"--config.train.global_batch={plan.global_batch}"]
     return out
 

@@ -39,6 +39,14 @@ class System:
     zero1_gather_bytes: int      # bytes per parameter all-gathered after a sharded update
     sar_formula: bool            # activation memory from the paper's SP+EP formulas
     grouped_gemm: str = "pallas"
+    expert_load: float = 1.0     # busiest device's routed rows / the mean under EP (1 = balanced; the paper
+    #                              drops tokens over a per-device capacity it does not state)
+    attention_speed: float = 1.0     # attention-core rate relative to our measured cuDNN rate (sensitivity)
+    elementwise_speed: float = 1.0   # elementwise HBM efficiency relative to our measured one (sensitivity)
+    partial_remat: bool = False      # can fully recompute some layers of a chunk (Megatron-LM's
+    #                                  --recompute-method block --recompute-num-layers; MegaScale-MoE is built on it)
+    fa_gg_share: float = 0.0         # > 0: a layer takes at least (attention + grouped GEMM) / this (sensitivity:
+    #                                  the paper's §7 profile, 'about one-third'); 0 = off
     selective: str = "ours"      # what remat='selective' recomputes: ours (gate/up GEMMs, router, elementwise),
     #                              sar (elementwise only, the paper's SAR), core (attention core, Megatron)
     notes: str = ""
@@ -62,21 +70,27 @@ def megascale() -> System:
     hidden.update(megatron_tp=INTER_OP, xla=0.0)
     return System("megascale", padded_dispatch=False, tail_cost=0.0, layer_hidden=hidden, dp_hidden=INTER_OP,
                   p2p_hidden=INTER_OP, pipeline_recompute=False, param_bytes=6.0, optimizer_bytes=12.0,
-                  zero1_gather_bytes=2, sar_formula=True, selective="sar",
+                  zero1_gather_bytes=2, sar_formula=True, selective="sar", partial_remat=True,
                   notes="the paper's system (arXiv 2505.11432); overlap fractions are assumptions")
 
 
+MEGATRON_DP_PP_SOURCE = ("paper §6.1: 'both systems in the evaluation enable the communication-computation overlap "
+                         "techniques from MegaScale [19] for data and pipeline parallelism'")
+
+
 def megatron() -> System:
-    """The paper's Megatron-LM baseline as the issue defines it: TP inside the node, no SP+EP, no overlap."""
+    """The paper's Megatron-LM baseline: TP inside the node, no SP+EP, nothing inside a layer overlapped; the
+    data- and pipeline-parallel overlap of MegaScale (NSDI '24) on, as for MegaScale-MoE (MEGATRON_DP_PP_SOURCE)."""
     return System("megatron", padded_dispatch=False, tail_cost=0.0,
-                  layer_hidden={r: 0.0 for r in efficiency.PLAN_NAMES.values()}, dp_hidden=0.0, p2p_hidden=0.0,
-                  pipeline_recompute=False, param_bytes=6.0, optimizer_bytes=12.0, zero1_gather_bytes=2,
-                  sar_formula=False, selective="core", notes="TP attention + TP experts, nothing overlapped")
+                  layer_hidden={r: 0.0 for r in efficiency.PLAN_NAMES.values()}, dp_hidden=INTER_OP,
+                  p2p_hidden=INTER_OP, pipeline_recompute=False, param_bytes=6.0, optimizer_bytes=12.0,
+                  zero1_gather_bytes=2, sar_formula=False, selective="core", partial_remat=True,
+                  notes="TP attention + TP experts, no overlap inside the layer; MegaScale's DP/PP overlap")
 
 
 def baseline_for(sys: System) -> System:
     """The Megatron-style baseline priced like `sys`: the paper's Megatron for the paper's systems, this code
-    with every overlap switched off for `ours`."""
+    with every overlap switched off for `ours` (its DP sync and pipeline sends are never overlapped anyway)."""
     if sys.name in ("megascale", "megatron"):
         return megatron()
     return dataclasses.replace(sys, name=sys.name + "-no-overlap", dp_hidden=0.0, p2p_hidden=0.0,

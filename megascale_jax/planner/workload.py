@@ -46,13 +46,15 @@ class Shape:
     shared_f: int
     seq: int
     tied: bool
+    head_dim: int = 0        # 0 = h / heads (configs resolve it; Qwen3-MoE has heads x head_dim != hidden)
 
     @classmethod
     def from_config(cls, cfg, seq_len: int | None = None) -> "Shape":
         m, e = cfg.model, cfg.model.moe
         return cls(cfg.name, m.vocab_size, m.num_layers, m.num_dense_layers, m.hidden, m.num_heads,
                    m.num_kv_heads, m.dense_ffn, e.num_experts, e.top_k, e.expert_ffn, e.num_shared_experts,
-                   e.shared_expert_ffn or e.expert_ffn, seq_len or cfg.train.seq_len, m.tie_embeddings)
+                   e.shared_expert_ffn or e.expert_ffn, seq_len or cfg.train.seq_len, m.tie_embeddings,
+                   getattr(m, "head_dim", 0) or m.hidden // m.num_heads)
 
     @property
     def moe_layers(self) -> int:
@@ -61,6 +63,14 @@ class Shape:
     @property
     def gqa(self) -> float:
         return self.heads / self.kv_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * (self.head_dim or self.h // self.heads)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * (self.head_dim or self.h // self.heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,25 +115,31 @@ def _ep_rows(sh: Shape, T: int, n: int, padded: bool) -> tuple[float, float]:
 
 def attention_work(sh: Shape, layout: str, T: int, n: int):
     """GEMMs, core FLOPs, (fwd, bwd) elementwise elements per device, comms, activation units."""
-    h, m, kvh = sh.h, sh.gqa, sh.h // sh.gqa
-    core = T * 2 * sh.seq * h / (1 if layout == "rep" else n)   # causal: 2*S*H*d per token, heads over n
+    # q = heads x head_dim, kv = kv_heads x head_dim (= h and h/m when head_dim = h / heads, the paper's case)
+    h, q, kv = sh.h, sh.q_dim, sh.kv_dim
+    qkv = q + 2 * kv
+    core = T * 2 * sh.seq * q / (1 if layout == "rep" else n)   # causal: 2*S*H*d per token, heads over n
+    # activation units (of T*h/n elements): layer input, norm out, q, k (roped), qkv, core out...; with q = h,
+    # kv = h/m these are the counts 5 + 2/m (SP) and 3 + 2/m + n (TP) of this code's saved tensors
+    qkv_units = 1 + 2 * q / h + 2 * kv / h
     if layout == "sp":
-        gemms = [Gemm("qkv", 2 * T / n * h * (h + 2 * kvh), False, T / n, h, h + 2 * kvh),
-                 Gemm("o", 2 * T / n * h * h, False, T / n, h, h)]
-        comms = [Comm("sp_a2a", (2 + 2 / m) * T * h * (n - 1) / n ** 2 * BF16, "a2a", ("full",), 4)]  # q k v, out
-        units = 5 + 2 / m
+        gemms = [Gemm("qkv", 2 * T / n * h * qkv, False, T / n, h, qkv),
+                 Gemm("o", 2 * T / n * q * h, False, T / n, q, h)]
+        # q, k, v in and the core's output back: (2 + 2/m) * T*h*(n-1)/n^2 at q = h (workload docstring)
+        comms = [Comm("sp_a2a", (2 * q + 2 * kv) * T * (n - 1) / n ** 2 * BF16, "a2a", ("full",), 4)]
+        units = 2 + qkv_units
     elif layout == "tp":
-        gemms = [Gemm("qkv", 2 * T * h * (h + 2 * kvh) / n, False, T, h, (h + 2 * kvh) // n),
-                 Gemm("o", 2 * T * h * h / n, False, T, h // n, h)]
+        gemms = [Gemm("qkv", 2 * T * h * qkv / n, False, T, h, qkv // n),
+                 Gemm("o", 2 * T * q * h / n, False, T, q // n, h)]
         comms = [Comm("tp_ag", T * h * (n - 1) / n * BF16, "ag"), Comm("tp_rs", T * h * (n - 1) / n * BF16, "rs")]
-        units = 3 + 2 / m + n
+        units = qkv_units + n
     else:
-        gemms = [Gemm("qkv", 2 * T * h * (h + 2 * kvh), False, T, h, h + 2 * kvh),
-                 Gemm("o", 2 * T * h * h, False, T, h, h)]
-        comms, units = [], (5 + 2 / m) * n
+        gemms = [Gemm("qkv", 2 * T * h * qkv, False, T, h, qkv),
+                 Gemm("o", 2 * T * q * h, False, T, q, h)]
+        comms, units = [], (2 + qkv_units) * n
     tok = T if layout == "rep" else T / n
-    # norm 2h / 3h, residual 3h / 3h, RoPE on q and k 2(h + h/m) each way
-    ew = (tok * (7 * h + 2 * h / m), tok * (8 * h + 2 * h / m))
+    # norm 2h / 3h, residual 3h / 3h, RoPE on q and k 2(q + kv) each way
+    ew = (tok * (5 * h + 2 * q + 2 * kv), tok * (6 * h + 2 * q + 2 * kv))
     return gemms, core, ew, comms, units
 
 
@@ -169,7 +185,9 @@ def moe_ffn_work(sh: Shape, layout: str, T: int, n: int, dispatch: str, padded: 
         if n > 1:
             comms += [Comm("tp_ag", T * h * (n - 1) / n * BF16, "ag", ("full", "selective")),
                       Comm("tp_rs", T * h * (n - 1) / n * BF16, "rs")]
-        units = 2 + n + n * K + 3 * K * f / h       # norms, gathered input, permuted rows, gate/up/act
+        # norms, gathered input, permuted rows, expert outputs (the combine's routing-weight gradient reads them,
+        # as EP's 2 x k_eff counts), gate/up/act
+        units = 2 + n + 2 * n * K + 3 * K * f / h
         perm_rows = T * K
     else:   # xla: every device runs all T*K rows through its local experts; intermediates all-reduced
         tok, rows, width = T, T * K, f
@@ -222,12 +240,14 @@ def layer_work(sh: Shape, recipe: str, T: int, n: int, *, dense: bool = False, d
     real, pad = _ep_rows(sh, T, n, padded)
     k_eff = pad / (T / n) if ffn == "ep" else sh.top_k * (n if ffn in ("tp", "xla") else 1)
     units = {"none": u1 + u2, "full": n if att == "rep" else 1,
-             "selective": 1 + (1 + 2 / sh.gqa) + 1 + k_eff,      # layer input, qkv, attention core, expert out
+             "selective": 1 + (sh.q_dim + 2 * sh.kv_dim) / sh.h + sh.q_dim / sh.h + k_eff,   # input, qkv, core, experts
              "selective_core": u1 + u2}                          # Megatron: only the attention core recomputed
     if sar_formula and recipe == "megascale" and not dense:
-        kf = sh.top_k * sh.f / sh.h
-        units["none"] = 2 * n + 2 * sh.top_k + 3 * kf + 12 + 5 / sh.gqa
-        units["selective"] = 2 * kf + 4 + 2 / sh.gqa
+        # Paper §4.1 (routed experts only); a shared expert, replicated and run on the device's T/n tokens,
+        # adds its SwiGLU input pair (kept under SAR) and its activation (recomputed): 2 and 3 x sf/h units.
+        kf, sf = sh.top_k * sh.f / sh.h, sh.shared * sh.shared_f / sh.h
+        units["none"] = 2 * n + 2 * sh.top_k + 3 * kf + 12 + 5 / sh.gqa + 3 * sf
+        units["selective"] = 2 * kf + 4 + 2 / sh.gqa + 2 * sf
     return LayerWork(tuple(g1 + g2), core, (af + ff) * BF16, (ab + fb) * BF16, tuple(c1 + c2), units)
 
 
@@ -235,8 +255,8 @@ def params_per_device(sh: Shape, recipe: str, n: int) -> dict:
     """Parameters one device holds per MoE layer / dense layer / embedding+head, and which are replicated
     over the intra group (their gradients are all-reduced over it once per step)."""
     att, ffn = RECIPES[recipe]
-    h, kvh = sh.h, sh.h // sh.gqa
-    attn = 2 * h * h + 2 * h * kvh
+    h = sh.h
+    attn = 2 * h * sh.q_dim + 2 * h * sh.kv_dim
     expert = 3 * h * sh.f * sh.experts
     shared = 3 * h * sh.shared * sh.shared_f
     dense = 3 * h * sh.dense_ffn
