@@ -3,6 +3,7 @@ committed measurements in benchmarks/results (within 15%, outliers only with a p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -14,6 +15,7 @@ from megascale_jax.planner import cost, diagnose, efficiency, hardware, measured
 from megascale_jax.planner import workload as wl
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+_compare = functools.cache(measured.compare)     # one pass (with its leave-one-config-out re-derivations)
 
 
 def _paper_setup(gpus=240, net=400):
@@ -157,7 +159,7 @@ def test_mixtral_8xh200_choice_is_written_down():
 
 @pytest.mark.parametrize("label", [c["label"] for c in measured.cases()])
 def test_prediction_within_15_percent_of_our_measurement(label):
-    row = next(r for r in measured.compare() if r["label"] == label)
+    row = next(r for r in _compare() if r["label"] == label)
     if row["outlier"]:
         assert not row["ok"], f"{label} is listed as an outlier but is now within 15%: remove it from OUTLIERS"
         pytest.skip(f"documented outlier: {row['outlier']}")
@@ -220,7 +222,7 @@ def test_table5_steps_each_add_throughput():
 
 
 def test_measured_rows_carry_their_role_and_a_leave_one_config_out_error():
-    rows = measured.compare()
+    rows = _compare()
     derivation = set(efficiency.derivation_labels())
     assert derivation and all((r["role"] == "derivation") == (r["label"] in derivation) for r in rows)
     assert {r["label"].split(":")[0] for r in rows if r["role"] == "derivation"} == {efficiency.DERIVATION_FILE}
