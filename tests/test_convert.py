@@ -194,6 +194,23 @@ def test_missing_shard(tmp_path):
     _error(tmp_path, src, r"shard model-00002-of-00002.safetensors .* missing.*download it again")
 
 
+def test_truncated_shard(tmp_path):
+    src = write_hf(tmp_path / "hf", hf_tensors(), hf_config())
+    shard = os.path.join(src, "model-00001-of-00002.safetensors")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    _error(tmp_path, src, r"model-00001-of-00002.safetensors is not a readable safetensors file .*re-download it")
+
+
+def test_reader_slices_bf16_blocks(tmp_path):
+    """safe_open's get_slice reads BF16 blocks as ml_dtypes.bfloat16, bit for bit (what the reader relies on)."""
+    w = (np.arange(48, dtype=np.float32).reshape(6, 8) / 7).astype(ml_dtypes.bfloat16)
+    os.makedirs(tmp_path / "one")
+    save_file({"w": w}, str(tmp_path / "one" / convert.SINGLE))
+    block = convert.HFCheckpoint(str(tmp_path / "one")).read("w", (slice(2, 5), slice(1, 7)))
+    assert block.dtype == ml_dtypes.bfloat16 and block.tobytes() == np.ascontiguousarray(w[2:5, 1:7]).tobytes()
+
+
 def test_dimension_mismatch_names_the_key(tmp_path, hf_dir):
     _error(tmp_path, hf_dir, r"hidden_size=64 but config.model.hidden=128; .*--config.model.hidden=64",
            **{"model.hidden": 128})

@@ -10,6 +10,8 @@ and config.json fields. Then bad input per family, and the published parameter c
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import ml_dtypes
@@ -112,6 +114,22 @@ def test_import_sharded_loss_and_export_roundtrip(family, plan, tmp_path):
                 "qkv_bias", "head_dim"):
         if original.get(key) is not None:
             assert exported[key] == original[key], key
+
+
+def test_cli_import_export_qwen3(tmp_path):
+    """`python -m megascale_jax.convert import | export` on the Qwen3-MoE fixture (the CLI's own flag path)."""
+    hf_dir = fixture("qwen3_moe")[0]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    flags = [f"--config.{k}={v}" for k, v in {**TINY, **FAMILY["qwen3_moe"]}.items()]
+    base = [sys.executable, "-m", "megascale_jax.convert"]
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    for argv in (["import", f"--hf={hf_dir}", f"--out={ckpt}"],
+                 ["export", f"--ckpt={ckpt}", f"--hf={out}", "--max_shard_bytes=200000"]):
+        r = subprocess.run(base + argv + ["--config=configs/tiny_cpu.py", *flags], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_tensors(hf_dir, out)
 
 
 def assert_same_tensors(src, out):
