@@ -200,9 +200,26 @@ def _validate_moe_layer(cfg) -> None:
     p = cfg.parallel
     _check(p.overlap_chunks >= 1, f"config.parallel.overlap_chunks={p.overlap_chunks} must be >= 1 (1 = the "
            "token exchange in one piece).")
-    if p.moe_layer == MoELayer.MACRO:
-        _check(p.plan == PlanKind.MANUAL, f"config.parallel.moe_layer='macro' needs the per-device step: set "
-               f"config.parallel.plan='manual' (e.g. --config.plan_recipe=megascale), not {p.plan!r}.")
+    _check(p.overlap_chunks == 1 or p.moe_layer == MoELayer.MACRO, f"config.parallel.overlap_chunks="
+           f"{p.overlap_chunks} chunks the macro layer's token exchange; set parallel.moe_layer='macro' or "
+           "overlap_chunks=1.")
+    if p.moe_layer != MoELayer.MACRO:
+        return
+    m, e, t = cfg.model, cfg.model.moe, cfg.train
+    _check(p.plan == PlanKind.MANUAL, f"config.parallel.moe_layer='macro' needs the per-device step: set "
+           f"config.parallel.plan='manual' (e.g. --config.plan_recipe=megascale), not {p.plan!r}.")
+    _check(p.ffn == FFNPlan.EP or p.intra == 1, "config.parallel.moe_layer='macro' writes out expert "
+           "parallelism (or the one-device sort); set config.parallel.ffn='ep' or moe_layer='autodiff'.")
+    for key, on in (("model.qkv_bias", m.qkv_bias), ("model.qk_norm", m.qk_norm),
+                    ("model.moe.shared_expert_gate", e.shared_expert_gate)):
+        _check(not on, f"config.{key}=True is not written out by the macro layer yet; set it False or "
+               "parallel.moe_layer='autodiff'.")
+    _check(e.capacity_factor == 0 or p.overlap_chunks == 1, f"config.model.moe.capacity_factor="
+           f"{e.capacity_factor} with parallel.overlap_chunks={p.overlap_chunks}: capacity would apply per chunk, "
+           "not per device; use overlap_chunks=1 or dropless (capacity_factor=0).")
+    tokens = t.global_batch // max(p.data * t.microbatches, 1) * t.seq_len // p.intra
+    _check(tokens % p.overlap_chunks == 0, f"config.parallel.overlap_chunks={p.overlap_chunks} must divide each "
+           f"device's {tokens} tokens per microbatch (global_batch / (data x microbatches) x seq_len / intra).")
 
 
 def _validate_step(cfg) -> None:
