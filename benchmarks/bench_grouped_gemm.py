@@ -423,23 +423,23 @@ def measure_dense(row, case, x, w, dy, flops, record, args):
 
 def tiling_label(cfg):
     return (f"{cfg.wg_split}{cfg.tile_m}x{cfg.tile_n}k{cfg.tile_k}s{cfg.max_concurrent_steps}"
-            f"m{cfg.grid_minor}w{cfg.grid_tile_width}e{cfg.epi_tile_n}x{cfg.epi_slots}")
+            f"m{cfg.grid_minor}w{cfg.grid_tile_width}e{cfg.epi_tile_n}x{cfg.epi_slots}"
+            f"{'c' if cfg.chain_items else ''}")
 
 
 def sweep_tilings(n, k):
     """Forward tilings to time against the default: warpgroup split, tile sizes, K step, pipeline depth,
-    work order, epilogue staging (chunk width and slots). Only those that tile N and K exactly."""
+    work order, epilogue staging (chunk width and slots), chained pipelines across work items. Only those
+    that tile N and K exactly."""
+    variants = [dict(), dict(epi_slots=2), dict(chain_items=True), dict(chain_items=True, epi_slots=2),
+                dict(chain_items=True, grid_tile_width=16), dict(chain_items=True, wg_split="m"),
+                dict(chain_items=True, tile_k=128, max_concurrent_steps=2),
+                dict(tile_k=128, max_concurrent_steps=2), dict(wg_split="m"), dict(wg_split="m", epi_slots=2),
+                dict(grid_minor=1), dict(tile_n=64, max_concurrent_steps=6, epi_slots=2)]
     out = []
-    for split, tm, tn, tk, steps, minor, width, epi, slots in [
-            ("n", 128, 128, 64, 4, 0, 8, 64, 1), ("n", 128, 128, 64, 4, 0, 8, 64, 2),
-            ("n", 128, 128, 64, 4, 0, 8, 128, 1), ("n", 128, 128, 64, 4, 1, 8, 64, 1),
-            ("n", 128, 128, 64, 4, 0, 16, 64, 2), ("n", 128, 128, 64, 3, 0, 8, 32, 2),
-            ("n", 128, 128, 128, 2, 0, 8, 64, 1), ("m", 128, 128, 64, 4, 0, 8, 64, 1),
-            ("m", 128, 128, 64, 4, 0, 8, 64, 2), ("n", 128, 64, 64, 6, 0, 8, 64, 2),
-            ("m", 64, 128, 64, 5, 0, 8, 64, 2), ("n", 64, 128, 64, 6, 0, 8, 64, 2)]:
-        cfg = GemmTiling(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=steps, wg_split=split,
-                         grid_minor=minor, grid_tile_width=width, epi_tile_n=epi, epi_slots=slots)
-        if n % cfg.cta_n == 0 and k % tk == 0:
+    for v in variants:
+        cfg = GemmTiling(**v)
+        if n % cfg.cta_n == 0 and k % cfg.tile_k == 0:
             out.append(cfg)
     return out
 

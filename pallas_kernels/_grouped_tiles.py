@@ -48,6 +48,9 @@ class GemmTiling:
     # SMEM staging buffers per warpgroup for the epilogue: 2 lets chunk j+1 be written while chunk j's TMA
     # store still reads its buffer (1: every chunk waits for the previous store to finish reading).
     epi_slots: int = 1
+    # Chain the K pipelines of an SM's consecutive work items (forward / input gradient kernel): the next
+    # item's loads overlap this item's epilogue. Needs K steps divisible by the pipeline depth (else off).
+    chain_items: bool = False
 
     @property
     def cta_m(self) -> int:
@@ -97,16 +100,20 @@ def fit_wgrad_tiling(base: GemmTiling, k: int, n: int) -> GemmTiling:
 
 def default_tuning(m: int, k: int, n: int, num_groups: int) -> GroupedGemmTuning:
     """Defaults by shape: the widest CTA tile that divides the output (forward writes N columns, dgrad
-    K columns, wgrad K x N). The forward of large experts (K >= 4096, N >= 2048: Mixtral, DeepSeek-V3) takes
-    128-wide K steps two deep: measured on the H200 in one run (benchmarks/results/grouped_gemm_sweep_h200.json)
-    677 vs 650 TFLOP/s (Mixtral 8x7B) and 676 vs 651 (DeepSeek-V3 EP 8) against 64-wide steps four deep; on
-    the fine-grained shapes (K = 2048, N <= 1408) no swept tiling beat the default by more than the ~3%
-    run-to-run spread."""
+    K columns, wgrad K x N), with the forward's pipelines chained across work items. Measured
+    on the H200, each against the alternatives in one run (benchmarks/results/grouped_gemm_sweep_h200.json,
+    grouped_gemm_chain_sweep_h200.json):
+      * the forward of large experts (K >= 4096, N >= 2048: Mixtral, DeepSeek-V3) takes 128-wide K steps two
+        deep: 677 vs 650 TFLOP/s (Mixtral 8x7B), 676 vs 651 (DeepSeek-V3 EP 8) against 64-wide four deep;
+      * chained pipelines: +0.1..2.3% forward on all 8 (shape, routing) pairs timed (DeepSeekMoE 628 vs 614,
+        Mixtral with 128-wide steps 680 vs 666, Qwen3 575 vs 571); chained with two epilogue slots was slower
+        (478), so epi_slots stays 1;
+      * on the fine-grained shapes (K = 2048, N <= 1408) no swept tiling beat these by more than ~2%."""
     del m, num_groups
-    fwd = fit_tiling(GemmTiling(), n, "N")
+    fwd = fit_tiling(GemmTiling(chain_items=True), n, "N")
     if k >= 4096 and n >= 2048 and k % 128 == 0 and fwd.wg_split == "n":
         fwd = dataclasses.replace(fwd, tile_k=128, max_concurrent_steps=2)
-    dgrad = fit_tiling(GemmTiling(), k, "K")
+    dgrad = fit_tiling(GemmTiling(), k, "K")   # chaining is GPU-tested here but not yet timed: off
     wgrad = fit_wgrad_tiling(GemmTiling(), k, n)
     return GroupedGemmTuning(fwd=fwd, dgrad=dgrad, wgrad=wgrad)
 
@@ -183,8 +190,8 @@ def group_bounds(group_sizes_G, m):
 
 def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True):
     """int32 [4, S]: for each (segment, row tile) work slot its segment, tile index, first row inside the
-    tile and row count; and int32 [1], the number of valid slots. Segment G is the tail past
-    sum(group_sizes): it is stored as zeros. S = cdiv(m, tile) + G bounds the slot count (each boundary
+    tile and row count; and int32 [2], the numbers of compute slots and of zero-tail slots after them.
+    Segment G is the tail past sum(group_sizes): it is stored as zeros. S = cdiv(m, tile) + G bounds the slot count (each boundary
     adds at most one tile); the kernel loops over the valid slots only, so spare ones cost nothing and
     do not unbalance the SMs."""
     num_groups = group_sizes_G.shape[0]
@@ -203,8 +210,9 @@ def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True):
     hi = jnp.minimum(ends[seg], block * tile + tile) - block * tile
     count = jnp.where(valid, hi - lo, 0)
     table = jnp.stack([seg, jnp.where(valid, block, 0), lo, count]).astype(jnp.int32)
-    # Valid slots come first, the tail's last; their number (without the tail's when with_tail is False).
-    return table, (inclusive[-1:] if with_tail else inclusive[-2:-1]).astype(jnp.int32)
+    # Valid slots come first, the tail's last: [compute slots, tail slots] (no tail slots when with_tail is off).
+    counts = jnp.stack([inclusive[-2], inclusive[-1] - inclusive[-2] if with_tail else jnp.int32(0)])
+    return table, counts.astype(jnp.int32)
 
 
 def token_block_table(group_sizes_G, m: int, tile: int):

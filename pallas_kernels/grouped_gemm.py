@@ -18,6 +18,7 @@ custom VJP's backward is exactly those two calls, so a hand-written backward can
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -47,20 +48,27 @@ _INTERPRET_NUM_SMS = 3  # a few simulated SMs exercise the persistent loop witho
 # ----------------------------------------------------------------------------------------------------
 def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: GemmTiling,
                    transpose_w: bool):
-    """out[rows of g] = x[rows of g] @ (w[g]ᵀ if transpose_w else w[g]); w is [G, K, N] or [G, N, K]."""
+    """out[rows of g] = x[rows of g] @ (w[g]ᵀ if transpose_w else w[g]); w is [G, K, N] or [G, N, K].
+
+    Each SM runs its compute work items first, then its zero-tail items. With `cfg.chain_items` the
+    compute items' K pipelines are chained (pipeline_state START / STEADY / STOP): the TMA warpgroup runs
+    ahead into the next item's loads while the compute warpgroups store this item's tile, so the epilogue
+    and the pipeline fill are hidden (they are a large share of an item when K is short: fine-grained
+    experts). Without it each item's pipeline fills and drains on its own."""
     m, k = x_gmem.shape
     n = out_gmem.shape[1]
-    num_groups = w_gmem.shape[0]
     n_iters = n // cfg.cta_n
+    k_iters = k // cfg.tile_k
     in_tf = swizzle_transforms(cfg.tile_k, x_gmem.dtype)
     w_block = (cfg.cta_n, cfg.tile_k) if transpose_w else (cfg.tile_k, cfg.cta_n)
     slot_ref = [jnp.int32(0)]  # set per work item; the index map reads it when the pipeline is traced
+    chain = cfg.chain_items and k_iters % cfg.max_concurrent_steps == 0
 
-    def pipeline(body, context):
+    def pipeline(body, context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k // cfg.tile_k,), memory_registers=40, wg_axis="wg",
+            body, grid=(k_iters,), memory_registers=40, wg_axis="wg",
             num_compute_wgs=NUM_COMPUTE_WGS, max_concurrent_steps=cfg.max_concurrent_steps,
-            compute_context=context,
+            compute_context=context, pipeline_state=state,
             in_specs=[
                 plgpu.BlockSpec((cfg.cta_m, cfg.tile_k), lambda kk: (slot_ref[0], kk), transforms=in_tf),
                 plgpu.BlockSpec(w_block, (lambda kk: (0, kk)) if transpose_w else (lambda kk: (kk, 0)),
@@ -75,52 +83,60 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
                        out_smem=epilogue_smem(cfg, out_gmem.dtype))
     def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")
+        num_compute, num_tail = num_valid_ref[0], num_valid_ref[1]
+        wg_m = pl.ds(wg * cfg.tile_m, cfg.tile_m) if cfg.wg_split == "m" else slice(None)
+        wg_n = pl.ds(wg * cfg.tile_n, cfg.tile_n) if cfg.wg_split == "n" else slice(None)
+        wg_row0 = wg * cfg.tile_m if cfg.wg_split == "m" else 0
+        wg_col0 = wg * cfg.tile_n if cfg.wg_split == "n" else 0
 
-        num_slots = num_valid_ref[0]
-
-        @plgpu.nd_loop((num_slots * n_iters,), collective_axes="sm")
-        def _work(info):
-            slot, ni = plgpu.planar_snake(info.index[0], (num_slots, n_iters), cfg.grid_minor,
-                                          cfg.grid_tile_width)
-            seg, block, lo, count = (table_ref[i, slot] for i in range(4))
-            is_tail = seg == num_groups
-            wg_m = pl.ds(wg * cfg.tile_m, cfg.tile_m) if cfg.wg_split == "m" else slice(None)
-            wg_n = pl.ds(wg * cfg.tile_n, cfg.tile_n) if cfg.wg_split == "n" else slice(None)
-            wg_row0 = wg * cfg.tile_m if cfg.wg_split == "m" else 0
-            wg_col0 = wg * cfg.tile_n if cfg.wg_split == "n" else 0
-
+        def store(acc, slot, ni):
+            """This warpgroup's part of work item (slot, ni): acc (fp32) or zeros (acc None)."""
+            _, block, lo, count = (table_ref[i, slot] for i in range(4))
             wlo = jnp.clip(lo - wg_row0, 0, cfg.tile_m)
             whi = jnp.clip(lo + count - wg_row0, 0, cfg.tile_m)
+            store_rows(acc, out_smem.at[wg], out_gmem, block * cfg.cta_m + wg_row0,
+                       ni * cfg.cta_n + wg_col0, cfg, rows=(wlo, whi - wlo))
 
-            def store(acc):
-                store_rows(acc, out_smem.at[wg], out_gmem, block * cfg.cta_m + wg_row0,
-                           ni * cfg.cta_n + wg_col0, cfg, rows=(wlo, whi - wlo))
+        def mma(_, x_smem, w_smem, acc_ref):
+            w_op = w_smem.at[wg_n, :].transpose((1, 0)) if transpose_w else w_smem.at[:, wg_n]
+            plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_op)
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+        @plgpu.nd_loop((num_compute * n_iters,), collective_axes="sm")
+        def _compute_items(info):
+            slot, ni = plgpu.planar_snake(info.index[0], (num_compute, n_iters), cfg.grid_minor,
+                                          cfg.grid_tile_width)
+            seg, block = table_ref[0, slot], table_ref[1, slot]
 
             def context(eval_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
                 def _acc(acc_ref):
                     eval_pipeline(acc_ref)
-                    store(acc_ref[...])
+                    store(acc_ref[...], slot, ni)
 
-            def mma(_, x_smem, w_smem, acc_ref):
-                w_op = w_smem.at[wg_n, :].transpose((1, 0)) if transpose_w else w_smem.at[:, wg_n]
-                plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_op)
-                plgpu.wgmma_wait(0)
-                return acc_ref
-
-            # The zero tail (rows past sum(group_sizes)) is stored straight from zeros: no loads, no MMA, so an
-            # expert-parallel receive buffer's unused rows cost one write. The whole CTA takes the same branch
-            # (is_tail is per work item), so the pipeline's barriers stay in step across warpgroups.
-            @pl.when((count > 0) & is_tail & (wg < NUM_COMPUTE_WGS))
-            def _():
-                store(None)
-
-            @pl.when((count > 0) & jnp.logical_not(is_tail))
-            def _():
-                slot_ref[0] = block
-                w_cols = pl.ds(ni * cfg.cta_n, cfg.cta_n)
-                w_tile = w_gmem.at[seg].at[w_cols, :] if transpose_w else w_gmem.at[seg].at[:, w_cols]
+            slot_ref[0] = block
+            w_cols = pl.ds(ni * cfg.cta_n, cfg.cta_n)
+            w_tile = w_gmem.at[seg].at[w_cols, :] if transpose_w else w_gmem.at[seg].at[:, w_cols]
+            if not chain:
                 pipeline(mma, context)(x_gmem, w_tile, allocations=allocs)
+                return
+            first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
+            state = jnp.where(first, int(plgpu.PipelinePipeline.START),
+                              jnp.where(last, int(plgpu.PipelinePipeline.STOP),
+                                        int(plgpu.PipelinePipeline.STEADY)))
+            # one item on this SM: a plain pipeline (it both fills and drains)
+            pl.when(first & last)(lambda: pipeline(mma, context)(x_gmem, w_tile, allocations=allocs))
+            pl.when(jnp.logical_not(first & last))(
+                lambda: pipeline(mma, context, state)(x_gmem, w_tile, allocations=allocs))
+
+        # The zero tail (rows past sum(group_sizes)) is stored straight from zeros: no loads, no MMA, so an
+        # expert-parallel receive buffer's unused rows cost one write.
+        @plgpu.nd_loop((num_tail * n_iters,), collective_axes="sm")
+        def _tail_items(info):
+            @pl.when(wg < NUM_COMPUTE_WGS)
+            def _():
+                store(None, num_compute + info.index[0] // n_iters, info.index[0] % n_iters)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -209,10 +225,15 @@ def _num_sms(tuning: GroupedGemmTuning, interpret: bool) -> int:
 
 
 def _ragged_matmul(x, w, group_sizes, out_dtype, cfg, transpose_w, num_sms, interpret, zero_tail="kernel"):
-    m = x.shape[0]
+    m, k = x.shape
     cfg = fit_smem(cfg, (cfg.cta_m + cfg.cta_n) * cfg.tile_k, out_dtype)
     n = w.shape[1] if transpose_w else w.shape[2]
     table, num_valid = row_tile_table(group_sizes, m, cfg.cta_m, with_tail=zero_tail == "kernel")
+    if cfg.chain_items:   # chained pipelines need the K steps to be a multiple of the pipeline depth
+        steps = cfg.max_concurrent_steps
+        while steps > 2 and (k // cfg.tile_k) % steps:
+            steps -= 1
+        cfg = dataclasses.replace(cfg, max_concurrent_steps=steps)
     body = functools.partial(_ragged_kernel, cfg=cfg, transpose_w=transpose_w)
     out = _launch(body, (m, n), out_dtype, num_sms, interpret, table, num_valid, x, w)
     if zero_tail == "kernel":

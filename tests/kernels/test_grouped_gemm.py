@@ -94,6 +94,10 @@ VARIANT_TUNINGS = {
         fwd=GemmTiling(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2, wg_split="n"),
         dgrad=GemmTiling(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2, wg_split="m"),
         wgrad=SMALL_TUNING.wgrad, num_sms=3),
+    # chained K pipelines across an SM's work items (START / STEADY / STOP), with and without a tail
+    "chain_items": GroupedGemmTuning(
+        fwd=dataclasses.replace(SMALL_TUNING.fwd, chain_items=True),
+        dgrad=dataclasses.replace(SMALL_TUNING.dgrad, chain_items=True), wgrad=SMALL_TUNING.wgrad, num_sms=3),
 }
 
 
@@ -298,7 +302,8 @@ def test_gpu_forward_and_gradients_match_ragged_dot(sizes, zero_tail):
 @pytest.mark.parametrize("fwd", [
     GemmTiling(epi_slots=2), GemmTiling(tile_k=128, max_concurrent_steps=3), GemmTiling(wg_split="m"),
     GemmTiling(tile_n=64, epi_slots=2, max_concurrent_steps=6), GemmTiling(tile_n=128, epi_tile_n=128),
-], ids=["epi2", "k128", "split_m", "n64_epi2", "epi128"])
+    GemmTiling(chain_items=True), GemmTiling(chain_items=True, epi_slots=2, wg_split="m"),
+], ids=["epi2", "k128", "split_m", "n64_epi2", "epi128", "chain", "chain_epi2_split_m"])
 def test_gpu_forward_tiling_variants_match_ragged_dot(fwd):
     """The forward tilings the shape table may choose, on ragged groups with a tail, dirty memory."""
     sizes = [700, 0, 1500, 33, 0, 900, 1, 400]
