@@ -49,8 +49,9 @@ class ExpertChunk(NamedTuple):
     """What the experts' backward needs of one forward chunk."""
     plan: Any                   # the dispatch plan (integers; parallel/token_routes.py)
     x_MD: Any                   # the dispatched tokens, or None where re-sent in the backward
-    gate_MF: jax.Array          # the gate and up GEMM outputs (the activation is recomputed)
+    gate_MF: jax.Array          # the gate and up GEMM outputs
     up_MF: jax.Array
+    activation: Any = None      # (act_MF, its pullback) when kept (remat 'none'); else recomputed from gate / up
 
 
 class Pullbacks(NamedTuple):
@@ -167,7 +168,7 @@ def _forward(cfg: MacroBlock, math, x_BSD, w, keep):
         h2_TD = h2.reshape(-1, h2.shape[-1])
         route = functools.partial(_route, math, cfg.reductions.token_mean)
         (weight_TK, aux, z), p_route, idx_TK = _pull(every, route, h2_TD, w.router_DE, has_aux=True)
-        y_TD, chunks, stats = _experts_forward(cfg, math, w, h2_TD, idx_TK, weight_TK, keep_tokens=every)
+        y_TD, chunks, stats = _experts_forward(cfg, math, w, h2_TD, idx_TK, weight_TK, keep_all=every)
         shared = (None, None, None)
         if w.shared is not None:
             with jax.named_scope("shared_experts"):
@@ -195,7 +196,7 @@ def _route(math, token_mean, h_TD, w_DE):
     return (r.weight_TK, r.aux_loss, r.z_loss), r.idx_TK
 
 
-def _experts_forward(cfg: MacroBlock, math, w, h2_TD, idx_TK, weight_TK, *, keep_tokens: bool):
+def _experts_forward(cfg: MacroBlock, math, w, h2_TD, idx_TK, weight_TK, *, keep_all: bool):
     """Dispatch -> gate / up / activation / down -> combine, in `cfg.chunks` independent pieces along the
     tokens: each piece's dispatch waits only for the routing, so it can move while the previous piece's
     GEMMs run. Returns (y_TD, per-chunk ExpertChunk, (tokens_per_expert, dropped_tokens))."""
@@ -210,10 +211,11 @@ def _experts_forward(cfg: MacroBlock, math, w, h2_TD, idx_TK, weight_TK, *, keep
             with jax.named_scope("experts"):
                 gate = math.expert_gemm(x_MD, e.gate_EDF, plan.group_sizes)
                 up = math.expert_gemm(x_MD, e.up_EDF, plan.group_sizes)
-                y_MD = math.expert_gemm(math.activation(gate, up), e.down_EFD, plan.group_sizes)
+                act, p_act = _pull(keep_all, math.activation, gate, up)
+                y_MD = math.expert_gemm(act, e.down_EFD, plan.group_sizes)
             with jax.named_scope("combine"):
                 ys.append(ffn.combine_rows(y_MD, plan, weight))
-        chunks.append(ExpertChunk(plan, x_MD if keep_tokens else None, gate, up))
+        chunks.append(ExpertChunk(plan, x_MD if keep_all else None, gate, up, (act, p_act) if keep_all else None))
         tokens_per_expert = tokens_per_expert + plan.tokens_per_expert
         dropped = dropped + plan.dropped_tokens
     y_TD = ys[0] if len(ys) == 1 else jnp.concatenate(ys)
@@ -302,7 +304,7 @@ def _experts_backward(cfg: MacroBlock, math, w, pulls: Pullbacks, dy_TD):
             dy_MD = ffn.send(dy_c, ch.plan, gradient=True)          # unweighted: each row gets its token's dy
             weight_M = ffn.weights_to_rows(weight_c, ch.plan)
         with jax.named_scope(f"macro_bwd/chunk{c}/expert_dgrad"):
-            act, p_act = jax.vjp(math.activation, ch.gate_MF, ch.up_MF)
+            act, p_act = ch.activation or jax.vjp(math.activation, ch.gate_MF, ch.up_MF)
             g_MF = dgrad(dy_MD, e.down_EFD.astype(dt), gs).astype(jnp.float32)
             d_weight_M = jnp.sum(g_MF * act.astype(jnp.float32), axis=-1)   # <dy W_down^T, act> = <dy, y>
             d_gate, d_up = p_act((weight_M[:, None] * g_MF).astype(act.dtype))
