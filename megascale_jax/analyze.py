@@ -63,12 +63,16 @@ def closed_forms(cfg) -> dict[str, float]:
     """Per-layer forward elements sent per device: the paper's forms, and the derived SP volume."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     n, k = p.intra, m.moe.top_k
-    bsh = (t.global_batch // p.data) * t.seq_len * m.hidden
+    bs = (t.global_batch // p.data) * t.seq_len
+    bsh = bs * m.hidden
     ratio = m.num_heads / m.num_kv_heads
+    # What Ulysses moves: q and the attention output are heads x head_dim wide, k and v kv_heads x head_dim
+    # (= (2 + 2/m) bsh when heads x head_dim = hidden, the paper's case; Qwen3-MoE's are wider than hidden).
+    sp_width = 2 * m.num_heads * m.head_dim + 2 * m.num_kv_heads * m.head_dim
     return {
         "tp_attention": 2 * bsh * (n - 1) / n,
         "sp_attention": 2 * bsh * (n - 1) / n * (2 + 2 / ratio) / n,
-        "sp_attention_derived": (2 + 2 / ratio) * bsh * (n - 1) / n ** 2,
+        "sp_attention_derived": sp_width * bs * (n - 1) / n ** 2,
         "tp_ffn": 2 * bsh * (n - 1) / n,
         "ep_ffn": 2 * k / n * bsh * (n - 1) / n,
     }
