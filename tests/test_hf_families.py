@@ -229,3 +229,49 @@ def test_parameter_counts_match_published(name, total, active):
     print(f"{name}: {size.total_params / 1e9:.3f} B total, {size.active_params / 1e9:.3f} B active")
     assert abs(size.total_params - total) <= 0.02 * total, size.total_params
     assert abs(size.active_params - active) <= 0.02 * active, size.active_params
+
+
+# --------------------------------------------------------------------------------------------- tied head
+def _rewrite_lm_head(src, dst, head):
+    """A copy of fixture `src` whose lm_head.weight is `head` (None: dropped, the index updated)."""
+    from safetensors.numpy import load_file
+
+    shutil.copytree(src, dst)
+    index_path = os.path.join(dst, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    shard = os.path.join(dst, index["weight_map"]["lm_head.weight"])
+    tensors = load_file(shard)
+    if head is None:
+        del tensors["lm_head.weight"], index["weight_map"]["lm_head.weight"]
+        json.dump(index, open(index_path, "w"))
+    else:
+        tensors["lm_head.weight"] = head
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return dst
+
+
+def test_tied_hf_head_imports_as_transformers_ties_it(tmp_path):
+    """transformers ties lm_head to embed_tokens without scaling: a tied checkpoint (no lm_head tensor,
+    tie_word_embeddings true) under tie_embeddings=True, tied_head_scale='none' gives exactly the logits of the
+    untied model whose lm_head is a copy of embed_tokens; our default scale ('rsqrt_hidden') is refused."""
+    from safetensors import safe_open
+
+    hf_dir, tokens, _ = fixture("mixtral")
+    index = json.load(open(os.path.join(hf_dir, "model.safetensors.index.json")))
+    with safe_open(os.path.join(hf_dir, index["weight_map"]["model.embed_tokens.weight"]), "numpy") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    untied = _rewrite_lm_head(hf_dir, tmp_path / "untied", embed.copy())
+    tied = _rewrite_lm_head(hf_dir, tmp_path / "tied", None)
+    config = json.load(open(tied / "config.json"))
+    config["tie_word_embeddings"] = True
+    json.dump(config, open(tied / "config.json", "w"))
+
+    cfg_untied = cfg_for("mixtral", 1)
+    want = our_logits(step.build(cfg_untied, ONE), convert.load_params(str(untied), cfg_untied,
+                                                                         step.build(cfg_untied, ONE)), tokens)
+    cfg_tied = cfg_for("mixtral", 1, **{"model.tie_embeddings": True, "model.tied_head_scale": "none"})
+    trainer = step.build(cfg_tied, ONE)
+    got = our_logits(trainer, convert.load_params(str(tied), cfg_tied, trainer), tokens)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.max(np.abs(want))))
+    assert float(np.max(np.abs(want))) > 1.0
+    _error(tmp_path, tied, "mixtral", r"tied_head_scale", **{"model.tie_embeddings": True})
