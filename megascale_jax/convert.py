@@ -299,6 +299,9 @@ def import_hf(hf_dir: str, cfg, out: str, cast: bool = False, devices=None) -> N
     from megascale_jax.checkpoint import Checkpointer
     if os.path.isdir(out) and os.listdir(out):
         raise ConvertError(f"--out {out} is not empty; pass a new folder (train resumes from its newest step).")
+    if jax.process_count() > 1:   # every process has checked --out before any of them writes into it
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("convert import: --out checked")
     trainer = step_lib.build(cfg, devices)
     params = load_params(hf_dir, cfg, trainer, cast)   # every check raises before anything is written
     ckpt = Checkpointer(out, save_every=0, keep=1, async_save=False)
@@ -356,6 +359,10 @@ def _define_flags():
     flags.DEFINE_bool("cast", False, "import: allow lossy dtype casts (e.g. F32 weights into bf16 params).")
     flags.DEFINE_string("dtype", None, "export: dtype of the written tensors (default: the param dtype).")
     flags.DEFINE_integer("max_shard_bytes", 5 << 30, "export: start a new safetensors shard above this size.")
+    # import under several processes (each reads only the blocks of its own devices); SLURM is detected too
+    flags.DEFINE_string("coordinator", None, "import: host:port of process 0 (multi-process without SLURM).")
+    flags.DEFINE_integer("num_processes", None, "import: process count (multi-process without SLURM).")
+    flags.DEFINE_integer("process_id", None, "import: this process's index (multi-process without SLURM).")
 
 
 def main(argv) -> None:
@@ -369,6 +376,16 @@ def main(argv) -> None:
     need = {"import": ("hf", "out"), "export": ("ckpt", "hf")}.get(command)
     if need is None or f.config is None or any(not getattr(f, k) for k in need):
         print(f"convert error: {usage}", file=sys.stderr)
+        sys.exit(2)
+    from megascale_jax.parallel import distributed
+    try:
+        info = distributed.initialize(f.coordinator, f.num_processes, f.process_id, verbose=False)
+    except ValueError as err:
+        print(f"convert error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if command == "export" and info.num_processes > 1:
+        print("convert error: export runs in one process (it gathers one tensor at a time to the host); start it "
+              "without --num_processes / outside srun, on a machine that sees the checkpoint.", file=sys.stderr)
         sys.exit(2)
     try:
         cfg = config_lib.from_config_dict(f.config, num_devices=jax.device_count())
