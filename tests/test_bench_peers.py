@@ -1,24 +1,29 @@
-"""CPU tests of benchmarks/bench_peers.py's pure parts: FLOP counting, verdicts, table, JSON shape, the plot."""
-import ast
+"""CPU tests of benchmarks/bench_peers.py's pure parts (its plan, results and worker-contract modules): FLOP
+counting, verdicts, table, JSON shape, the CLI, the orchestrator's imports, the plot."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks import bench_peers as bp
+from benchmarks import peers_plan as plan
+from benchmarks import peers_results as results
+from benchmarks import peers_worker_contract as contract
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_flops_match_accounting_convention():
-    f = bp.layer_flops_fwd(bp.FULL)
+    f = plan.layer_flops_fwd(plan.FULL)
     t, d = 8192, 4096
     assert f["projections"] == 2 * t * d * (2 * 32 * 128 + 2 * 8 * 128)
     assert f["attention_core"] == 2 * t * t * 32 * 128           # 2*S*H*K per token, causal-halved
     assert f["experts"] == 6 * t * 2 * d * 14336
     assert f["router"] == 2 * t * d * 8
-    assert bp.train_flops(bp.FULL) == 3 * f["total"]
-    assert bp.train_flops(bp.FULL, layers=2) == 2 * bp.train_flops(bp.FULL)
+    assert plan.train_flops(plan.FULL) == 3 * f["total"]
+    assert plan.train_flops(plan.FULL, layers=2) == 2 * plan.train_flops(plan.FULL)
     # the stock block's count (../shared/bench/stock_block.py) is the same without the router
     stock = 2 * t * d * (2 * 32 * 128 + 2 * 8 * 128) + 2 * t * t * 32 * 128 + 6 * t * 2 * d * 14336
     assert f["total"] - f["router"] == stock
@@ -30,7 +35,8 @@ def test_flops_match_model_accounting():
     m = default_config("mixtral_small", **{"model.num_layers": 1}).model
     size = model_size(m, seq_len=8192)
     embed_head = 3 * 2 * m.hidden * m.vocab_size                  # the output head (the embedding is a lookup)
-    assert size.train_flops_per_token * 8192 - embed_head * 8192 == pytest.approx(bp.train_flops(bp.FULL), rel=1e-9)
+    assert size.train_flops_per_token * 8192 - embed_head * 8192 == pytest.approx(plan.train_flops(plan.FULL),
+                                                                                   rel=1e-9)
 
 
 def _results(ours, bound, tt, o2=None, t2=None, dense=None):
@@ -46,50 +52,50 @@ def _results(ours, bound, tt, o2=None, t2=None, dense=None):
 
 
 def test_verdicts():
-    v = bp.verdicts(_results(ours=40.0, bound=38.0, tt=48.0, o2=80.0, t2=100.0, dense=1.5), bp.FULL)
+    v = results.verdicts(_results(ours=40.0, bound=38.0, tt=48.0, o2=80.0, t2=100.0, dense=1.5), plan.FULL)
     assert v["ours_over_bound"] == pytest.approx(0.95)
     assert v["goal_bound"]["met"] is True
     assert v["ours_over_torchtitan"] == pytest.approx(1.2)
     assert v["goal_torchtitan"]["ahead"] is True and v["goal_torchtitan"]["met"] is True
     assert v["ours_over_torchtitan_2layer"] == pytest.approx(1.25)
     assert v["ours_over_same_run_dense_gemm_rate"] > 0
-    v = bp.verdicts(_results(ours=40.0, bound=30.0, tt=42.0), bp.FULL)
+    v = results.verdicts(_results(ours=40.0, bound=30.0, tt=42.0), plan.FULL)
     assert v["goal_bound"]["met"] is False
     assert v["goal_torchtitan"]["ahead"] is True and v["goal_torchtitan"]["met"] is False
 
 
 def test_verdicts_missing_variants_are_none():
-    v = bp.verdicts({"ours_block": {"ok": True, "ms": 40.0}, "torchtitan_block": {"ok": False, "error": "x"}},
-                    bp.FULL)
+    v = results.verdicts({"ours_block": {"ok": True, "ms": 40.0},
+                          "torchtitan_block": {"ok": False, "error": "x"}}, plan.FULL)
     assert v["ours_over_torchtitan"] is None and v["goal_torchtitan"]["met"] is None
     assert v["goal_bound"]["met"] is None
 
 
 def test_assemble_json_shape_and_table():
     res = _results(ours=36.0, bound=33.0, tt=45.0, dense=1.5)
-    res["maxtext_block"] = {"ok": False, "skipped": bp.MAXTEXT_NOTE}
-    doc = bp.assemble(res, bp.FULL, {"jax": {"device_kind": "H200"}}, ["n"], tiny=False)
+    res["maxtext_block"] = {"ok": False, "skipped": plan.MAXTEXT_NOTE}
+    doc = results.assemble(res, plan.FULL, {"jax": {"device_kind": "H200"}}, ["n"], tiny=False)
     doc = json.loads(json.dumps(doc))
     assert set(doc) >= {"environment", "shapes", "flops", "variants", "verdicts", "notes", "peak_tflops"}
     assert doc["shapes"]["layout"] == "1 x 8192" and doc["shapes"]["tokens"] == 8192
-    assert set(doc["variants"]) == {v[0] for v in bp.VARIANTS}
+    assert set(doc["variants"]) == {v[0] for v in plan.VARIANTS}
     ours = doc["variants"]["ours_block"]
-    assert ours["tflops"] == pytest.approx(bp.train_flops(bp.FULL) / 36e-3 / 1e12)
+    assert ours["tflops"] == pytest.approx(plan.train_flops(plan.FULL) / 36e-3 / 1e12)
     assert ours["mfu"] == pytest.approx(ours["tflops"] / 989.0)
     assert doc["variants"]["jax_dense_gemm"]["tflops"] == pytest.approx(2 * 8192 ** 3 / 1.5e-3 / 1e12)
     assert doc["variants"]["torchtitan_2layer"]["ok"] is False
     assert "MaxText" in doc["variants"]["maxtext_block"]["skipped"]
-    text = bp.table(doc)
+    text = results.table(doc)
     assert "ours / bound" in text and "ours_block" in text and "maxtext_block" in text
 
 
 def test_jsonl_roundtrip(tmp_path):
     p = str(tmp_path / "r.jsonl")
-    bp.emit(p, "ours_block", ok=True, ms=1.0)
-    bp.emit(p, "stock_bound", ok=False, error="boom")
+    contract.emit(p, "ours_block", ok=True, ms=1.0)
+    contract.emit(p, "stock_bound", ok=False, error="boom")
     with open(p, "a") as f:
         f.write('{"name": "trunc')                                 # a worker killed mid-write
-    got = bp.read_jsonl(p)
+    got = contract.read_jsonl(p)
     assert got["ours_block"]["ms"] == 1.0 and got["stock_bound"]["error"] == "boom"
 
 
@@ -101,18 +107,27 @@ def test_plan_and_cli(capsys):
     assert "[not selected]" in capsys.readouterr().out
 
 
-def test_script_parses_without_torch_or_jax_at_module_level():
-    src = open(os.path.join(ROOT, "benchmarks", "bench_peers.py")).read()
-    tree = ast.parse(src)
-    top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
-    top |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
-    assert not top & {"jax", "torch", "numpy", "flax"}
+def test_orchestrator_imports_neither_jax_nor_torch():
+    """The orchestrator and every module it imports (the workers' included) load JAX / torch only inside the
+    functions that run in a worker subprocess, so a JAX crash cannot take the orchestrator down with it."""
+    code = ("import sys; import benchmarks.bench_peers; "
+            "print(sorted(m for m in ('jax', 'torch', 'numpy', 'flax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_script_runs_as_a_plain_file_without_pythonpath(tmp_path):
+    """`python3 benchmarks/bench_peers.py` (also how the workers start) finds its sibling modules by itself."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_peers.py"), "--list"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+    assert "maxtext_block" in out.stdout
 
 
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     from benchmarks import plot_peers
-    doc = bp.assemble(_results(ours=36.0, bound=33.0, tt=45.0, dense=1.5), bp.FULL, {}, [], tiny=False)
+    doc = results.assemble(_results(ours=36.0, bound=33.0, tt=45.0, dense=1.5), plan.FULL, {}, [], tiny=False)
     assert [b[0] for b in plot_peers.bars(doc)] == ["ours_block", "stock_bound", "torchtitan_block"]
     path = plot_peers.plot(doc, str(tmp_path / "p.png"))
     assert os.path.getsize(path) > 0

@@ -1,0 +1,79 @@
+"""CPU tests of benchmarks/bench_grouped_gemm.py: the cases it runs (issue 10's table, the routings' group sizes),
+the --list plan, the ratios and verdicts, and one tiny interpret-mode run end to end (JSON and markdown)."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from benchmarks import grouped_gemm_cases as cases
+from benchmarks import grouped_gemm_report as report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_grouped_gemm.py")
+
+
+def _bench(*flags, cwd):
+    """The script as the GPU machine runs it: a plain file, here without PYTHONPATH (it finds the repo itself)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, SCRIPT, *flags], cwd=cwd, env=env, capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_issue10_cases():
+    got = cases.build_cases(argparse.Namespace(suite="issue10", mode="smoke", routings="", only=""))
+    assert len(got) == 20 and len({c["shape"] for c in got}) == 9
+    first = got[0]
+    assert (first["shape"], first["routing"], first["M"], first["K"], first["N"], first["G"]) == (
+        "mixtral_8x7b_ep1", "uniform", 8192 * 2, 4096, 14336, 8)
+    for c in got:
+        total = sum(c["group_sizes"])
+        assert len(c["group_sizes"]) == c["G"] and c["useful_rows"] == total
+        assert total == (c["M"] // 2 if c["routing"] == "padded" else c["M"])   # padded: half is the zero tail
+    assert not any(c["G"] == 1 and c["routing"] in ("skewed", "half_empty") for c in got)
+
+
+def test_group_sizes_and_rle():
+    assert cases.group_sizes_for(16, 4, "half_empty").tolist() == [8, 0, 8, 0]
+    assert cases.group_sizes_for(10, 4, "skewed").tolist() == [4, 2, 2, 2]
+    assert cases.rle([4096, 4096, 0, 5]) == "2x4096,0,5"
+    assert cases.rle([1024, 0, 1024, 0]) == "2x(1024,0)"
+
+
+def test_list_cli(tmp_path):
+    out = _bench("--suite", "issue10", "--list", cwd=tmp_path)
+    assert out.startswith("20 cases (9 shapes), in the order run:")
+    assert "mixtral_8x7b_ep1     uniform     16384  4096  14336    8  16384     1924.1  8x2048" in out
+    assert "+ 0 torch" in out
+    assert "+ 40 torch" in _bench("--suite", "issue10", "--torch", "--list", cwd=tmp_path)
+
+
+def test_ratios_verdicts_and_table():
+    row = dict(shape="s", routing="uniform", M=8, K=8, N=8, G=1, useful_rows=8, ratios={}, verdict={},
+               tflops={"ours/fwd": 500.0, "ours/fwd+bwd": 450.0, "torch_grouped_mm/fwd": 400.0,
+                       "torch_grouped_mm/fwd+bwd": 460.0, "dense_same_flops/fwd": 540.0})
+    report.finalize_row(row)
+    assert row["ratios"]["ours/torch_grouped_mm/fwd"] == 1.25
+    assert row["ratios"]["ours/dense_same_flops/fwd+bwd"] is None
+    assert row["verdict"] == {"ours>=torch_grouped_mm": False, "ours>=0.9x_dense_fwd": True}
+    s = report.summary([row])
+    assert s["ours>=torch_grouped_mm"]["failing"] == ["s/uniform"] and s["ours>=0.9x_dense_fwd"]["all_rows_pass"]
+    table = report.markdown_table([row], {"device": "cpu"})
+    assert "| s | uniform | 8 | 8 | 8 | 1 | 8 | 500 | 400 | 540 | 1.25 | 0.93 |" in table
+    assert "ours>=torch_grouped_mm: FAIL; failing ['s/uniform']" in table
+
+
+def test_tiny_interpret_run_writes_json_and_markdown(tmp_path):
+    """Our kernel (interpreter) and the dense GEMM on the smallest shape with a zero tail, forward only."""
+    out = str(tmp_path / "gg.json")
+    _bench("--suite", "tiny", "--interpret", "--impls", "ours/,dense", "--no-bwd", "--only", "tiny_g1",
+           "--routings", "padded", "--out", out, cwd=tmp_path)
+    doc = json.load(open(out))
+    assert list(doc) == ["environment", "suite", "mode", "tokens_per_device", "flops_note", "summary", "results"]
+    assert doc["suite"] == "tiny" and doc["summary"]["rows"] == 1
+    (row,) = doc["results"]
+    assert set(row["tflops"]) == {"ours/fwd", "dense_same_flops/fwd"}
+    assert row["errors"]["ours/fwd"] < 1e-2 and row["tail_zero"] == {"ours/fwd": True}
+    assert set(row["verdict"]) == {"ours>=torch_grouped_mm", "ours>=0.9x_dense_fwd"}
+    md = open(str(tmp_path / "gg.md")).read()
+    assert "| tiny_g1 | padded | 256 | 128 | 256 | 1 | 128 |" in md and "ours>=0.9x_dense_fwd:" in md
