@@ -35,7 +35,7 @@ def _block_grads(moe_layer, *, attention="sp", dispatch="all_to_all", remat="non
     param_specs = jax.tree.map(lambda s: plan.param_spec(tuple(s)), nnx.get_partition_spec(params),
                                is_leaf=lambda x: isinstance(x, P))
     x_spec = P(DATA, INTRA)
-    x = jax.random.normal(jax.random.key(1), (2 * data, 16, 64), jnp.float32).astype(dtype)
+    x = jax.random.normal(jax.random.key(1), (2 * data, 16, cfg.model.hidden), jnp.float32).astype(dtype)
     cot = jax.random.normal(jax.random.key(2), x.shape, jnp.float32).astype(dtype)
 
     def per_device(params, x, cot):

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SMALL = {"model.hidden": 64, "model.num_heads": 4, "model.num_kv_heads": 2, "model.moe.expert_ffn": 32,
          "model.moe.num_experts": 8, "model.moe.num_shared_experts": 0, "model.moe.balance_group_size": 1}
 # Large enough that the scheduler's cost model sees communication worth hiding (compiled only, never run).
-GPU_SHAPE = {"model.hidden": 2048, "model.num_heads": 16, "model.num_kv_heads": 4, "model.moe.expert_ffn": 4096,
+GPU_SHAPE = {"model.hidden": 1024, "model.num_heads": 8, "model.num_kv_heads": 4, "model.moe.expert_ffn": 4096,
              "model.moe.num_experts": 8, "model.moe.num_shared_experts": 0, "model.moe.balance_group_size": 1}
 
 
