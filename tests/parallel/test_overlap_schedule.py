@@ -141,8 +141,7 @@ def _gpu_report():
     from megascale_jax.parallel import overlap_schedule as schedule
 
     report = {"devices": len(jax.devices())}
-    for name, layer, dispatch in (("macro_a2a", "macro", "all_to_all"), ("macro_ag", "macro", "all_gather"),
-                                  ("autodiff_a2a", "autodiff", "all_to_all")):
+    for name, layer, dispatch in (("macro_a2a", "macro", "all_to_all"), ("macro_ag", "macro", "all_gather")):
         text = block_step_hlo(dispatch=dispatch, chunks=2 if layer == "macro" else 1, remat="selective",
                               moe_layer=layer, shape=GPU_SHAPE, batch=2, seq=4096, dtype="bfloat16",
                               kernels=Kernels(attention="cudnn", grouped_gemm="xla"))
