@@ -10,13 +10,17 @@ The model calls the same hooks in the same places under every plan; a Layout ans
                               whole experts per rank) | TensorParallelDispatch (TP: all-gather the
                               sequence, every expert's FFN width sharded, local sort, reduce-scatter).
 `make_layout(plan, ...)` picks one of each. A new plan is one small class here, not a branch in every hook.
+  block       None (autodiff) | MacroBlock (parallel.moe_layer='macro', parallel/overlap.py): the MoE block
+              with its forward and backward written out over these same attention and ffn strategies.
 
 Dispatcher contract (the seam the macro layer and the fused kernels build on):
     dispatch(x_TD, routing) -> (x_MD, group_sizes_G, residual)     rows sorted by (local) expert
     combine(y_MD, residual, weight_TK) -> y_TD                       weighted sum over k, in fp32
 `residual` carries `dropped_tokens` and `tokens_per_expert`. `first_gemm_dispatch` / `last_gemm_combine`
 default to dispatch-then-GEMM and GEMM-then-combine; a fused AG+GroupedGEMM or GroupedGEMM+RS kernel
-overrides only the one that touches its GEMM.
+overrides only the one that touches its GEMM. For the macro layer's hand-written backward a dispatcher also
+answers as a plan and linear moves (parallel/token_routes.py): plan(idx_TK), send(x_TD, plan[, gradient]),
+send_transpose(dx_MD, plan, T), combine_rows(y_MD, plan, weight_TK), weights_to_rows / rows_to_weights.
 
 Every collective is called through parallel/collectives.py or parallel/expert_parallel.py; model code
 calls none and opens no shard_map (the step does, parallel/plan.py names the axes).

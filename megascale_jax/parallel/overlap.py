@@ -1,9 +1,8 @@
 """The macro layer (parallel.moe_layer='macro'): one attention + MoE block with its forward and backward
 written out by hand (`jax.custom_vjp` over the block's parameter arrays), as MegaScale-MoE does.
 
-Why by hand. Under autodiff the backward is whatever the transposes give, every activation autodiff wants is
-kept (or a jax.checkpoint policy guesses by name), and the expert GEMMs' weight gradients are fused with
-their input gradients. Here each phase is explicit, so
+Why by hand. Under autodiff the backward is whatever the transposes give, and what is kept is what autodiff
+wants (or what a jax.checkpoint policy selects by name). Here each phase is explicit, so
   * the backward sends each chunk's input gradient home (the dispatch's transpose: all-to-all, or
     reduce-scatter for the all_gather dispatch) *before* computing that chunk's expert weight gradients,
     which do not depend on it: the collective and the grouped-GEMM wgrad can run at the same time, and the
@@ -22,7 +21,8 @@ their input gradients. Here each phase is explicit, so
                  output back, the tokens to their experts);
       full       keep x only and run the forward again in the backward.
 Which independent work XLA actually places under each collective is the latency-hiding scheduler's choice
-(launch/env.sh turns it on): tests/parallel/test_overlap_schedule.py reads the scheduled GPU HLO.
+(launch/env.sh turns it on); tests/parallel/test_overlap_schedule.py reads it from the compiled HLO
+(parallel/overlap_schedule.py): data independence on the CPU, the async start / done schedule on the GPU.
 
 The model hands over its pieces (`MoEBlockMath`: norm, projections, attention core, router, grouped GEMM and
 its dgrad / wgrad, in the modules' arithmetic) and its arrays (`MoEBlockWeights`), so model/ stays free of
