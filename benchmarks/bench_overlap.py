@@ -40,7 +40,7 @@ def _opcode(hlo_op: str) -> str:
 def device_spans(trace: dict) -> dict[str, list[tuple[float, float, bool]]]:
     """{device: [(start_us, end_us, is_communication)]} from a GPU trace (stream kernels) or, if it has none,
     a CPU trace (thunk events carrying `device_ordinal` and `hlo_op`)."""
-    per_gpu = gpu_trace._gpu_stream_events(trace)   # the same kernel selection as gpu_trace.breakdown
+    per_gpu = gpu_trace.gpu_stream_events(trace)   # the same kernel selection as gpu_trace.breakdown
     if per_gpu:
         return {f"gpu:{pid}": [(e["ts"], e["ts"] + e.get("dur", 0.0),
                                 gpu_trace.kernel_category(e.get("name", "")).startswith("comm")) for e in events]
@@ -68,9 +68,9 @@ def exposed_communication(trace: dict, num_steps: int) -> dict:
         comm = [(lo, hi) for lo, hi, is_comm in items if is_comm]
         compute = [(lo, hi) for lo, hi, is_comm in items if not is_comm]
         per_device[device] = {
-            "busy_ms": gpu_trace._union_length([(lo, hi) for lo, hi, _ in items]) / num_steps / 1e3,
-            "comm_ms": gpu_trace._union_length(comm) / num_steps / 1e3,
-            "exposed_comm_ms": gpu_trace._subtract_length(comm, compute) / num_steps / 1e3,
+            "busy_ms": gpu_trace.union_length([(lo, hi) for lo, hi, _ in items]) / num_steps / 1e3,
+            "comm_ms": gpu_trace.union_length(comm) / num_steps / 1e3,
+            "exposed_comm_ms": gpu_trace.subtract_length(comm, compute) / num_steps / 1e3,
         }
     mean = {k: round(statistics.mean(d[k] for d in per_device.values()), 4) for k in next(iter(per_device.values()))}
     return {"devices": len(per_device), "num_steps": num_steps, **mean,

@@ -54,7 +54,7 @@ def load_trace(path: str) -> dict:
         return json.load(f)
 
 
-def _gpu_stream_events(trace: dict) -> dict[int, list[dict]]:
+def gpu_stream_events(trace: dict) -> dict[int, list[dict]]:
     """Kernel events per GPU process id, from stream threads only."""
     events = trace.get("traceEvents", [])
     process_names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
@@ -71,7 +71,7 @@ def _gpu_stream_events(trace: dict) -> dict[int, list[dict]]:
     return out
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> float:
+def union_length(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for lo, hi in sorted(intervals):
         if hi <= end:
@@ -81,9 +81,9 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _subtract_length(base: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+def subtract_length(base: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
     """Length of union(base) not covered by union(cover)."""
-    return _union_length(base) - _union_length(_intersections(_merged(base), _merged(cover)))
+    return union_length(base) - union_length(_intersections(_merged(base), _merged(cover)))
 
 
 def _merged(intervals):
@@ -110,7 +110,7 @@ def _intersections(a, b):
 
 
 def breakdown(trace: dict, num_steps: int, top: int = 25) -> dict:
-    per_gpu = _gpu_stream_events(trace)
+    per_gpu = gpu_stream_events(trace)
     if not per_gpu:
         raise ValueError("the trace has no GPU stream kernels (profiled on the CPU, or an unknown trace layout)")
     n = len(per_gpu) * num_steps
@@ -122,9 +122,9 @@ def breakdown(trace: dict, num_steps: int, top: int = 25) -> dict:
         spans = [(e["ts"], e["ts"] + e.get("dur", 0.0), kernel_category(e.get("name", ""))) for e in events]
         comm_spans = [(lo, hi) for lo, hi, c in spans if c.startswith("comm")]
         compute_spans = [(lo, hi) for lo, hi, c in spans if not c.startswith("comm")]
-        busy += _union_length([(lo, hi) for lo, hi, _ in spans])
-        comm += _union_length(comm_spans)
-        exposed += _subtract_length(comm_spans, compute_spans)
+        busy += union_length([(lo, hi) for lo, hi, _ in spans])
+        comm += union_length(comm_spans)
+        exposed += subtract_length(comm_spans, compute_spans)
         for e, (lo, hi, c) in zip(events, spans):
             by_category[c] += hi - lo
             by_name[e.get("name", "")] += hi - lo

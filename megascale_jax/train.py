@@ -155,7 +155,9 @@ def _banner(cfg, trainer, size, peak, source) -> None:
         f"devices: {trainer.mesh.devices.size} x {jax.devices()[0].device_kind} "
         f"(peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s bf16'})",
         f"mesh: data={p.data} pipe={p.pipe} intra={p.intra} | recipe {cfg.plan_recipe}: plan {p.kind} (attention "
-        f"{p.attention}, ffn {p.ffn}, dispatch {p.dispatch}) | kernels: attention {trainer.kernels.attention}, "
+        f"{p.attention}, ffn {p.ffn}, dispatch {p.dispatch}) | MoE layer {cfg.parallel.moe_layer}"
+        f"{f' ({cfg.parallel.overlap_chunks} chunks)' if cfg.parallel.overlap_chunks > 1 else ''}, remat "
+        f"{cfg.train.remat} | kernels: attention {trainer.kernels.attention}, "
         f"grouped GEMM {trainer.kernels.grouped_gemm}" + _steps_banner(cfg),
         f"model: {size.summary()}",
         f"data: {getattr(source, 'description', type(source).__name__)} | batch {cfg.train.global_batch} x "
