@@ -10,7 +10,7 @@ Two kernel bodies (three launches), one persistent warp-specialised design (1 TM
                           stores only its own rows (TMA stores of 2^i rows, a binary ladder).
   * `_weight_grad_kernel` `dw[g] = x_gᵀ · dy_g`: work items are (group, K tile, N tile); the reduction runs
                           over the group's token blocks, rows of neighbouring groups masked in SMEM.
-Public entry points, each validated and each with a plain-jnp `*_reference` twin at the end of the file:
+Public entry points, each validated and each with a plain-jnp `*_reference` twin (grouped_gemm_reference.py):
 `grouped_gemm` (differentiable: `jax.custom_vjp`), `grouped_gemm_dgrad` and `grouped_gemm_wgrad`. The
 custom VJP's backward is exactly those two calls, so a hand-written backward can put communication
 (an all-to-all, a reduce-scatter) between them. Elsewhere: tiles, tunings and work tables in
@@ -31,9 +31,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedGemmTuning, check_dtypes,
                                            check_group_sizes, check_tiling, check_zero_tail,
                                            default_kernel_tuning, default_tuning, epilogue_smem, fit_smem,
-                                           group_bounds,
                                            mask_token_rows, row_tile_table, store_rows, swizzle_transforms,
                                            token_block_table)
+from pallas_kernels.grouped_gemm_reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
+                                                   grouped_gemm_wgrad_reference)
 from pallas_kernels.varying import match_varying, vary_like
 
 __all__ = ["GemmTiling", "GroupedGemmTuning", "default_tuning", "unsupported_reason", "grouped_gemm",
@@ -391,37 +392,3 @@ def _grouped_gemm_bwd(out_dtype, interpret, tuning, residuals, dy):
 
 
 _grouped_gemm.defvjp(_grouped_gemm_fwd, _grouped_gemm_bwd)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Plain-jnp twins (fp32 accumulation, G dense products: for CPUs and tests)
-# ----------------------------------------------------------------------------------------------------
-def grouped_gemm_reference(x_MK, w_GKN, group_sizes_G, preferred_element_type=None):
-    """Plain-jnp twin: one dense fp32-accumulated product per group, rows masked to their group
-    (G times the FLOPs; for CPUs and tests)."""
-    m = x_MK.shape[0]
-    out_dtype = jnp.dtype(preferred_element_type or x_MK.dtype)
-    starts, ends = group_bounds(group_sizes_G, m)
-    rows = jnp.arange(m)[:, None]
-    y_MN = jnp.zeros((m, w_GKN.shape[2]), jnp.float32)
-    for g in range(w_GKN.shape[0]):
-        in_group = (rows >= starts[g]) & (rows < ends[g])
-        x_g = jnp.where(in_group, x_MK, jnp.zeros_like(x_MK))
-        y_MN = y_MN + jnp.dot(x_g, w_GKN[g], preferred_element_type=jnp.float32,
-                              precision=lax.Precision.HIGHEST)
-    return y_MN.astype(out_dtype)
-
-
-def grouped_gemm_dgrad_reference(dy_MN, w_GKN, group_sizes_G, preferred_element_type=None):
-    """Twin of `grouped_gemm_dgrad`: the forward twin with each group's weight transposed."""
-    return grouped_gemm_reference(dy_MN, jnp.swapaxes(w_GKN, 1, 2), group_sizes_G, preferred_element_type)
-
-
-def grouped_gemm_wgrad_reference(x_MK, dy_MN, group_sizes_G, preferred_element_type=None):
-    """Twin of `grouped_gemm_wgrad`: per group, x's rows outside the group zeroed, then x_MKᵀ @ dy_MN."""
-    starts, ends = group_bounds(group_sizes_G, x_MK.shape[0])
-    rows_GM = jnp.arange(x_MK.shape[0])[None, :]
-    in_group_GM1 = ((rows_GM >= starts[:, None]) & (rows_GM < ends[:, None]))[:, :, None]
-    dw = jnp.einsum("gmk,mn->gkn", jnp.where(in_group_GM1, x_MK, jnp.zeros_like(x_MK)), dy_MN,
-                    preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-    return dw.astype(jnp.dtype(preferred_element_type or x_MK.dtype))
