@@ -207,3 +207,13 @@ def scatter_sum_tokens(y_TD: jax.Array, axis) -> jax.Array:
     n = lax.axis_size(axis)
     _require_divisible(y_TD.shape[0], n, "y_TD rows (dim 0)", "pass the [n*T, D] output of gather_tokens")
     return lax.psum_scatter(y_TD, axis, scatter_dimension=0, tiled=True)
+
+
+def ring_pass(x: jax.Array, axis) -> jax.Array:
+    """Point-to-point ring step over the EP domain: rank i sends x to rank i + 1 (mod n) and receives rank
+    i - 1's. One hop per step is what a fused AG+GEMM / GEMM+RS schedule moves while it computes.
+
+    Bytes per rank: one local x.
+    """
+    n = lax.axis_size(axis)
+    return lax.ppermute(x, axis, perm=[(i, (i + 1) % n) for i in range(n)])

@@ -38,6 +38,7 @@ from megascale_jax.parallel import collectives
 from megascale_jax.parallel import expert_parallel as ep
 from megascale_jax.parallel import token_routes as routes
 from megascale_jax.parallel.overlap import MacroBlock
+from megascale_jax.parallel.ring_dispatch import RingAllGatherDispatch
 from megascale_jax.parallel.plan import (DATA, INTRA, AttentionPlan, DispatchDType, EPDispatch, FFNPlan, MoELayer,
                                          ParallelPlan, PlanKind)
 
@@ -328,10 +329,17 @@ def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int, moe_lay
                 remat: str = "none", overlap_chunks: int = 1) -> Layout:
     """The layout `plan` calls for. Per device (manual plan or pipeline) reductions go over the mesh; the
     SP / TP / EP strategies exist only under the manual plan (under XLA the compiler communicates).
-    moe_layer='macro' adds the macro block (parallel/overlap.py), which then owns the MoE blocks' remat."""
+    moe_layer='macro' adds the macro block (parallel/overlap.py), which then owns the MoE blocks' remat;
+    'fused' swaps the all_gather dispatcher for its ring schedule (parallel/ring_dispatch.py)."""
     layout = _plain_layout(plan, num_heads=num_heads, num_experts=num_experts)
     if moe_layer == MoELayer.AUTODIFF:
         return layout
+    if moe_layer == MoELayer.FUSED:
+        if type(layout.ffn) is not AllGatherDispatch:
+            raise ValueError("parallel.moe_layer='fused' tiles the all_gather dispatch into ring steps: set "
+                             "parallel.ep_dispatch='all_gather' with the manual plan, ffn='ep' and intra > 1, "
+                             "or moe_layer='autodiff'.")
+        return dataclasses.replace(layout, ffn=RingAllGatherDispatch(layout.ffn.num_experts))
     if not plan.per_device or isinstance(layout.ffn, TensorParallelDispatch):
         raise ValueError(f"parallel.moe_layer='macro' writes out the per-device SP/TP-attention + EP-MoE block "
                          f"(plan={plan.kind}, ffn={plan.ffn}); use plan='manual' with ffn='ep', or moe_layer='autodiff'.")

@@ -45,9 +45,10 @@ class DispatchDType(StrEnum):
 
 
 class MoELayer(StrEnum):
-    """How the MoE block's backward is obtained (parallel/overlap.py)."""
+    """How the MoE block's communication meets its compute (parallel/overlap.py, parallel/ring_dispatch.py)."""
     AUTODIFF = "autodiff"   # JAX differentiates the block; XLA's scheduler places the collectives
     MACRO = "macro"         # forward and backward written out, each collective beside independent compute
+    FUSED = "fused"         # dispatch + first GEMM and last GEMM + combine as ring schedules (ring_dispatch.py)
 
 
 class EPDispatch(StrEnum):
