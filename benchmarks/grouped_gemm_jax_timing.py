@@ -107,12 +107,6 @@ def jax_impls(m, k, n, g, args):
     if base.fwd.tile_k != 64:
         k64 = dataclasses.replace(base, fwd=dataclasses.replace(base.fwd, tile_k=64, max_concurrent_steps=4))
         impls["ours_k64"] = lambda x, w, gs: grouped_gemm(x, w, gs, interpret=interp, tuning=k64)
-    # candidate input-gradient tiles (timed in fwd+bwd): chained pipelines, and 128-wide steps over a long N
-    dgrad = dataclasses.replace(base.dgrad, chain_items=True)
-    if n >= 4096 and k >= 2048 and n % 128 == 0 and dgrad.wg_split == "n":
-        dgrad = dataclasses.replace(dgrad, tile_k=128, max_concurrent_steps=2)
-    fast_dgrad = dataclasses.replace(base, dgrad=dgrad)
-    impls["ours_dgrad_chain"] = lambda x, w, gs: grouped_gemm(x, w, gs, interpret=interp, tuning=fast_dgrad)
     return impls
 
 

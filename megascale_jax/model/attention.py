@@ -73,12 +73,10 @@ class Attention(nnx.Module):
         self.rope_theta, self.implementation = m.rope_theta, implementation
 
     def _project(self, x_BSD):
-        """q, k, v in the compute dtype: projections (+ biases), per-head RMSNorm of q and k, then RoPE."""
-        dt = x_BSD.dtype
-        q = jnp.einsum("bsd,dhk->bshk", x_BSD, self.wq_DHK[...].astype(dt))
-        k = jnp.einsum("bsd,dgk->bsgk", x_BSD, self.wk_DGK[...].astype(dt))
-        v = jnp.einsum("bsd,dgk->bsgk", x_BSD, self.wv_DGK[...].astype(dt))
+        """q, k, v in the compute dtype: projections (+ biases), per-head RMSNorm of q and k (RoPE follows)."""
+        q, k, v = project_qkv(x_BSD, self.wq_DHK[...], self.wk_DGK[...], self.wv_DGK[...])
         if self.qkv_bias:
+            dt = x_BSD.dtype
             q, k, v = (q + self.q_bias_HK[...].astype(dt), k + self.k_bias_GK[...].astype(dt),
                        v + self.v_bias_GK[...].astype(dt))
         if self.qk_norm:
@@ -94,8 +92,20 @@ class Attention(nnx.Module):
         q, k, v = checkpoint_name(q, "qkv"), checkpoint_name(k, "qkv"), checkpoint_name(v, "qkv")
         q, k, v = comm.heads_in(q, k, v)
         out = comm.heads_out(attention_core(q, k, v, self.implementation))
-        dt = x_BSD.dtype
-        return comm.proj_out(jnp.einsum("bshk,hkd->bsd", out, self.wo_HKD[...].astype(dt)))
+        return comm.proj_out(project_out(out, self.wo_HKD[...]))
+
+
+def project_qkv(x_BSD, wq_DHK, wk_DGK, wv_DGK):
+    """The q / k / v projections in x's dtype (no bias, norm or RoPE)."""
+    dt = x_BSD.dtype
+    q = jnp.einsum("bsd,dhk->bshk", x_BSD, wq_DHK.astype(dt))
+    k = jnp.einsum("bsd,dgk->bsgk", x_BSD, wk_DGK.astype(dt))
+    return q, k, jnp.einsum("bsd,dgk->bsgk", x_BSD, wv_DGK.astype(dt))
+
+
+def project_out(o_BSHK, wo_HKD):
+    """The output projection [.., heads, head_dim] -> [.., D] in o's dtype."""
+    return jnp.einsum("bshk,hkd->bsd", o_BSHK, wo_HKD.astype(o_BSHK.dtype))
 
 
 ATTENTIONS = {AttentionKind.GQA: Attention}

@@ -59,9 +59,14 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def rms_norm(x, scale, eps: float):
+    """RMSNorm over the last dim in float32, output in x's dtype (RMSNorm's arithmetic, on explicit arrays)."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def rope(x_BSHD, positions_BS, theta: float):
@@ -126,7 +131,16 @@ class DenseMLP(nnx.Module):
         self.w_down_FD = param(rngs, (ffn, dim), (ffn_axis, "embed"), param_dtype, fan_in_axes=(0,))
 
     def __call__(self, x_TD):
-        dt = x_TD.dtype
-        gate = x_TD @ self.w_gate_DF[...].astype(dt)
-        up = x_TD @ self.w_up_DF[...].astype(dt)
-        return (jax.nn.silu(gate) * up) @ self.w_down_FD[...].astype(dt)
+        gate, up = swiglu_in(x_TD, self.w_gate_DF[...], self.w_up_DF[...])
+        return swiglu_out(gate, up, self.w_down_FD[...])
+
+
+def swiglu_in(x_TD, w_gate_DF, w_up_DF):
+    """SwiGLU's first GEMMs in x's dtype: (x @ gate, x @ up)."""
+    dt = x_TD.dtype
+    return x_TD @ w_gate_DF.astype(dt), x_TD @ w_up_DF.astype(dt)
+
+
+def swiglu_out(gate, up, w_down_FD):
+    """SwiGLU's activation and last GEMM: (silu(gate) * up) @ down."""
+    return (jax.nn.silu(gate) * up) @ w_down_FD.astype(gate.dtype)

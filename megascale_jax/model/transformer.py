@@ -35,11 +35,12 @@ from typing import NamedTuple
 
 from jax.ad_checkpoint import checkpoint_name
 
-from megascale_jax.model.attention import ATTENTIONS, attention_core
-from megascale_jax.model.layers import DenseMLP, Embedding, RMSNorm, cross_entropy, output_logits, param, rope
+from megascale_jax.model.attention import ATTENTIONS, attention_core, project_out, project_qkv
+from megascale_jax.model.layers import (DenseMLP, Embedding, RMSNorm, cross_entropy, output_logits, param,
+                                        rms_norm, rope, swiglu_in, swiglu_out)
 from megascale_jax.model.moe.experts import ExpertWeights, grouped_gemm_fn, grouped_gemm_grads
 from megascale_jax.model.moe.layer import MoEFFN
-from megascale_jax.model.moe.router import Routing, route
+from megascale_jax.model.moe.router import Routing, route, router_logits
 
 
 class Remat(StrEnum):
@@ -147,29 +148,22 @@ class MoEBlockMath:
     grouped_gemm: str
 
     def norm(self, x, scale):
-        """layers.RMSNorm: float32 statistics, output in x's dtype."""
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.norm_eps)
-        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, scale, self.norm_eps)
 
     def qkv(self, h_BSD, wq_DHK, wk_DGK, wv_DGK, positions_BS):
         """Attention's projections and RoPE (before any communication)."""
-        dt = h_BSD.dtype
-        q = jnp.einsum("bsd,dhk->bshk", h_BSD, wq_DHK.astype(dt))
-        k = jnp.einsum("bsd,dgk->bsgk", h_BSD, wk_DGK.astype(dt))
-        v = jnp.einsum("bsd,dgk->bsgk", h_BSD, wv_DGK.astype(dt))
+        q, k, v = project_qkv(h_BSD, wq_DHK, wk_DGK, wv_DGK)
         return rope(q, positions_BS, self.rope_theta), rope(k, positions_BS, self.rope_theta), v
 
     def core(self, q, k, v):
         return attention_core(q, k, v, self.attention_impl)
 
     def out_proj(self, o_BSHK, wo_HKD):
-        return jnp.einsum("bshk,hkd->bsd", o_BSHK, wo_HKD.astype(o_BSHK.dtype))
+        return project_out(o_BSHK, wo_HKD)
 
     def route(self, h_TD, w_DE, token_mean) -> Routing:
         """Router: float32 logits, softmax top-k, balance and z losses (token means through `token_mean`)."""
-        logits = jnp.dot(h_TD.astype(jnp.float32), w_DE, preferred_element_type=jnp.float32)
-        return route(logits, self.top_k, self.renormalize, self.balance_group_size, token_mean)
+        return route(router_logits(h_TD, w_DE), self.top_k, self.renormalize, self.balance_group_size, token_mean)
 
     def expert_gemm(self, x_MK, w_GKN, group_sizes):
         return grouped_gemm_fn(self.grouped_gemm)(x_MK, w_GKN.astype(x_MK.dtype), group_sizes)
@@ -185,11 +179,10 @@ class MoEBlockMath:
 
     def dense_in(self, h_TD, w_gate_DF, w_up_DF):
         """The shared experts' first GEMMs (layers.DenseMLP)."""
-        dt = h_TD.dtype
-        return h_TD @ w_gate_DF.astype(dt), h_TD @ w_up_DF.astype(dt)
+        return swiglu_in(h_TD, w_gate_DF, w_up_DF)
 
     def dense_out(self, gate, up, w_down_FD):
-        return self.activation(gate, up) @ w_down_FD.astype(gate.dtype)
+        return swiglu_out(gate, up, w_down_FD)
 
 
 def _stacked_blocks(cfg, count: int, moe: bool, param_dtype, kernels: Kernels, rngs: nnx.Rngs):

@@ -31,8 +31,8 @@ DTYPE_BYTES = {
     "f8e3m4": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5, "token": 0,
 }
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
-_OPCODE = re.compile(r"(?:^|[\s)\]}])(?P<op>[a-z][a-z0-9\-]*)\(")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
+OPCODE = re.compile(r"(?:^|[\s)\]}])(?P<op>[a-z][a-z0-9\-]*)\(")
 _ARRAY_SHAPE = re.compile(r"\b(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
 _OPERAND_NAME = re.compile(r"%([\w.\-]+)")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(?P<groups>(?:\{[0-9,]*\},?)*)\}")
@@ -104,7 +104,7 @@ def _parse_shapes(text: str) -> tuple[ArrayShape, ...]:
 
 def _split_call(rest: str):
     """'SHAPE op(args), attrs' -> (shape_text, op, args_text, attrs_text), or None if no call."""
-    match = _OPCODE.search(rest)
+    match = OPCODE.search(rest)
     if match is None:
         return None
     open_at = match.end() - 1
@@ -148,7 +148,7 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
     shapes_by_name: dict[str, tuple[ArrayShape, ...]] = {}
     pending = []
     for line in hlo_text.splitlines():
-        inst = _INSTRUCTION.match(line)
+        inst = INSTRUCTION.match(line)
         if inst is None:
             continue
         call = _split_call(inst["rest"])

@@ -22,12 +22,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute",
-               "ragged-all-to-all")
+from megascale_jax.parallel.hlo_bytes import COLLECTIVE_KINDS, INSTRUCTION, OPCODE
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
-_OPCODE = re.compile(r"(?:^|[\s)\]}])(?P<op>[a-z][a-z0-9\-]*)\(")
 _OP_NAME = re.compile(r'op_name="(?P<op_name>[^"]*)"')
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?(?P<names>%?[\w.\-]+(?:,\s*%?[\w.\-]+)*)\}?")
 
@@ -66,13 +63,13 @@ class HloModule:
     def collective_kind(self, instruction: Instruction) -> str | None:
         """The collective an instruction starts (or is), else None."""
         op = instruction.opcode
-        for kind in COLLECTIVES:
+        for kind in COLLECTIVE_KINDS:
             if op in (kind, f"{kind}-start"):
                 return kind
         if op == "async-start":
             for computation in instruction.calls:
                 for inner in self.computations.get(computation, []):
-                    if inner.opcode in COLLECTIVES:
+                    if inner.opcode in COLLECTIVE_KINDS:
                         return inner.opcode
         return None
 
@@ -93,11 +90,11 @@ def parse(hlo_text: str) -> HloModule:
         if stripped == "}":
             current = None
             continue
-        match = _INSTRUCTION.match(line)
+        match = INSTRUCTION.match(line)
         if not match:
             continue
         rest = match.group("rest")
-        opcode = _OPCODE.search(rest)
+        opcode = OPCODE.search(rest)
         if not opcode:
             continue
         args = rest[opcode.end():]

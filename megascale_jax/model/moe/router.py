@@ -75,8 +75,12 @@ class Router(nnx.Module):
         self.top_k, self.renormalize, self.group_size = top_k, renormalize, group_size
 
     def __call__(self, x_TD, token_mean=_local_mean) -> Routing:
-        logits = jnp.dot(x_TD.astype(jnp.float32), self.w_DE[...], preferred_element_type=jnp.float32)
-        return route(logits, self.top_k, self.renormalize, self.group_size, token_mean)
+        return route(router_logits(x_TD, self.w_DE[...]), self.top_k, self.renormalize, self.group_size, token_mean)
+
+
+def router_logits(x_TD, w_DE):
+    """float32 logits [T, E] from float32 router weights (the top-k choice is precision-sensitive)."""
+    return jnp.dot(x_TD.astype(jnp.float32), w_DE, preferred_element_type=jnp.float32)
 
 
 ROUTERS = {RouterKind.SOFTMAX_TOPK: Router}
