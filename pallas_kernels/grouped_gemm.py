@@ -231,10 +231,10 @@ def _ragged_matmul(x, w, group_sizes, out_dtype, cfg, transpose_w, num_sms, inte
     n = w.shape[1] if transpose_w else w.shape[2]
     table, num_valid = row_tile_table(group_sizes, m, cfg.cta_m, with_tail=zero_tail == "kernel")
     if cfg.chain_items:   # chained pipelines need the K steps to be a multiple of the pipeline depth
-        steps = cfg.max_concurrent_steps
-        while steps > 2 and (k // cfg.tile_k) % steps:
-            steps -= 1
-        cfg = dataclasses.replace(cfg, max_concurrent_steps=steps)
+        depths = [s for s in range(cfg.max_concurrent_steps, 1, -1) if (k // cfg.tile_k) % s == 0]
+        # the deepest that divides; none (an odd prime step count): unchained at the full depth
+        cfg = dataclasses.replace(cfg, max_concurrent_steps=depths[0], chain_items=True) if depths else \
+            dataclasses.replace(cfg, chain_items=False)
     body = functools.partial(_ragged_kernel, cfg=cfg, transpose_w=transpose_w)
     out = _launch(body, (m, n), out_dtype, num_sms, interpret, table, num_valid, x, w)
     if zero_tail == "kernel":

@@ -107,6 +107,16 @@ def test_interpret_tiling_variants_match_ragged_dot(variant):
     _check_fwd_bwd(x, w, dy, group_sizes, interpret=True, tuning=VARIANT_TUNINGS[variant])
 
 
+def test_interpret_chained_tuning_when_no_depth_divides_the_k_steps():
+    """Forward K = 384 in 128-wide steps: three, which no pipeline depth >= 2 divides, so it runs unchained at
+    its full depth; the input gradient (two steps over N = 256) stays chained."""
+    k128 = VARIANT_TUNINGS["tile_k128"]
+    tuning = dataclasses.replace(k128, fwd=dataclasses.replace(k128.fwd, chain_items=True),
+                                 dgrad=dataclasses.replace(k128.dgrad, chain_items=True))
+    x, w, dy, group_sizes = _random_problem(4, 200, 384, 256, [50, 0, 7, 100, 0, 23])
+    _check_fwd_bwd(x, w, dy, group_sizes, interpret=True, tuning=tuning)
+
+
 def test_interpret_bf16_output_and_default_tuning():
     """Default (production) tiles in the interpreter, bf16 out, random sizes drawn fresh."""
     rng = np.random.default_rng(7)
