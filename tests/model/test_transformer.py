@@ -178,3 +178,22 @@ def test_unrolled_layers_keep_remat_and_gradients(remat):
         return f.lower(p).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes(remat) < 0.9 * temp_bytes("none")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("remat, forwards", [("none", 1), ("selective", 1), ("full", 2)])
+def test_gpu_selective_remat_keeps_the_cudnn_attention_statistics(remat, forwards):
+    """cuDNN attention forwards in the compiled fwd+bwd of one MoE layer: 'selective' keeps the forward's
+    softmax statistics with its output, so the backward does not rerun it ('full' does: 2 forwards)."""
+    from megascale_jax.model.transformer import Kernels
+    cfg = _small(**{"model.hidden": 256, "model.num_heads": 4, "model.num_kv_heads": 2, "model.num_layers": 1,
+                    "model.num_dense_layers": 0, "model.moe.expert_ffn": 128})
+    model = Transformer(cfg.model, param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16, remat=remat,
+                        kernels=Kernels(attention="cudnn", grouped_gemm="xla"), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    batch = {"inputs": jnp.zeros((1, 256), jnp.int32), "targets": jnp.zeros((1, 256), jnp.int32)}
+    f = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p).loss(batch, LOCAL)[0]))
+    hlo = f.lower(params).compile().as_text()
+    targets = [line for line in hlo.splitlines() if "custom_call_target=\"__cudnn$fmha" in line]
+    assert sum("Backward" not in t for t in targets) == forwards, targets
+    assert sum("Backward" in t for t in targets) == 1, targets
