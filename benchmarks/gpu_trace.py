@@ -71,6 +71,20 @@ def gpu_stream_events(trace: dict) -> dict[int, list[dict]]:
     return out
 
 
+def idle_gaps(events: list[dict], top: int = 10) -> dict:
+    """Where one GPU's streams are all idle between its first and last kernel: the total, the count of gaps over
+    5 us, and the `top` largest with the kernels on either side (what the GPU waited between)."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0.0), e.get("name", "")) for e in events)
+    gaps, end, last = [], float("-inf"), ""
+    for lo, hi, name in spans:
+        if end != float("-inf") and lo > end:
+            gaps.append((lo - end, last, name))
+        if hi > end:
+            end, last = hi, name
+    return {"idle_us": round(sum(g for g, _, _ in gaps), 1), "gaps_over_5us": sum(g > 5 for g, _, _ in gaps),
+            "largest": [{"us": round(g, 1), "after": a[:80], "before": b[:80]} for g, a, b in sorted(gaps)[::-1][:top]]}
+
+
 def union_length(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for lo, hi in sorted(intervals):

@@ -46,7 +46,9 @@ def profile_block(calls: int, tiny: bool, top: int) -> dict:
         jax.block_until_ready(out)
         jax.profiler.stop_trace()
         trace = gpu_trace.load_trace(gpu_trace.latest_trace_file(tmp)) if jax.default_backend() == "gpu" else None
+    per_gpu = gpu_trace.gpu_stream_events(trace) if trace else {}
     return {"shapes": dataclasses.asdict(shapes), "calls": calls,
+            "idle_gaps_all_calls": {pid: gpu_trace.idle_gaps(ev, top) for pid, ev in per_gpu.items()},
             "kernels": {"attention": kernels.attention, "grouped_gemm": kernels.grouped_gemm},
             "wall_ms_per_call_untraced": wall_ms,
             "breakdown_per_call": gpu_trace.breakdown(trace, calls, top=top) if trace else None}

@@ -72,3 +72,11 @@ def test_breakdown_rejects_a_trace_without_gpu_kernels(tmp_path):
 ])
 def test_kernel_categories(name, category):
     assert gpu_trace.kernel_category(name) == category
+
+
+def test_idle_gaps_are_the_time_no_kernel_runs_with_their_neighbours():
+    events = [{"ts": 0, "dur": 100, "name": "a"}, {"ts": 80, "dur": 40, "name": "b"},   # overlap: no gap
+              {"ts": 123, "dur": 7, "name": "c"}, {"ts": 160, "dur": 10, "name": "d"}]
+    gaps = gpu_trace.idle_gaps(events, top=1)
+    assert gaps["idle_us"] == 33.0 and gaps["gaps_over_5us"] == 1   # 120..123 (3 us) and 130..160 (30 us)
+    assert gaps["largest"] == [{"us": 30.0, "after": "c", "before": "d"}]
