@@ -4,11 +4,12 @@ One owner per concern: a second kernel (a fused all-gather + grouped GEMM) impor
 of copying them, and `grouped_gemm.py` keeps the kernel bodies, launch, validation and custom VJP.
   * Tiling:       `GemmTiling`, `GroupedGemmTuning` (both re-exported by grouped_gemm.py); defaults by
                   shape (`default_tuning`; `default_kernel_tuning` for one kernel called on its own);
-                  `fit_smem` (pipeline depth vs SMEM).
+                  `fit_smem` (pipeline depth vs SMEM), `fit_ragged_tiling` (the forward / dgrad tiles as run).
   * Checks:       `check_tiling` (a hand-made tuning fits the shape), `check_dtypes`, `check_group_sizes`,
                   `check_zero_tail`: what every entry point's validation shares, with the same messages.
-  * Work tables:  `group_bounds`, `row_tile_table` (forward, input gradient), `token_block_table` (weight
-                  gradient): plain jnp computed on device before a launch, read by the persistent loop.
+  * Work tables:  `group_bounds`, `prefix_sum`, `row_tile_table` (forward, input gradient),
+                  `token_block_table` (weight gradient): plain jnp computed on device before a launch, read
+                  by the persistent loop.
   * Tile helpers inside kernel bodies: `swizzle_transforms`, `epilogue_smem` + `store_rows` (the ragged-row
                   TMA epilogue, also storing zero tiles without any loads),
                   `mask_token_rows`.
@@ -70,13 +71,19 @@ class GroupedGemmTuning:
     store zeros from SMEM: no loads, no MMA, one write of the tail) or 'mask' (the kernels skip those tiles
     and a jnp.where zeroes them; XLA can fuse the select into the consumer, a standalone call pays one pass
     over the output). A long tail (expert-parallel dropless buffers are n x the average rows) is where they
-    could differ; `benchmarks/bench_grouped_gemm.py --routings padded` times both."""
+    could differ; `benchmarks/bench_grouped_gemm.py --routings padded` times both.
+
+    `tables` says how the work tables are computed on device before each launch (the same tables either
+    way, see `row_tile_table`): 'scan' (cumsum + searchsorted) or 'fused' (masked sums: no scan, no while
+    loop). 'fused' is not yet timed on the GPU (benchmarks/grouped_gemm_profile.py is the measurement to
+    make), so the default stays 'scan'."""
 
     fwd: GemmTiling = GemmTiling()
     dgrad: GemmTiling = GemmTiling()
     wgrad: GemmTiling = GemmTiling(max_concurrent_steps=4, wg_split="m")
     num_sms: int | None = None
     zero_tail: str = "kernel"
+    tables: str = "scan"
 
 
 def fit_tiling(base: GemmTiling, n_cols: int, name: str) -> GemmTiling:
@@ -142,6 +149,18 @@ def fit_smem(cfg: GemmTiling, stage_elems: int, out_dtype) -> GemmTiling:
     return dataclasses.replace(cfg, max_concurrent_steps=steps)
 
 
+def fit_ragged_tiling(cfg, k_dim: int, out_dtype):
+    """The forward / input-gradient tiles as they run: pipeline depth fitted to SMEM, and chained pipelines
+    only where a depth >= 2 divides the K steps."""
+    cfg = fit_smem(cfg, (cfg.cta_m + cfg.cta_n) * cfg.tile_k, out_dtype)
+    if cfg.chain_items:   # chained pipelines need the K steps to be a multiple of the pipeline depth
+        depths = [s for s in range(cfg.max_concurrent_steps, 1, -1) if (k_dim // cfg.tile_k) % s == 0]
+        # the deepest that divides; none (an odd prime step count): unchained at the full depth
+        cfg = dataclasses.replace(cfg, max_concurrent_steps=depths[0], chain_items=True) if depths else \
+            dataclasses.replace(cfg, chain_items=False)
+    return cfg
+
+
 def check_tiling(name: str, cfg: GemmTiling, dims_and_tiles, what: str):
     """A tuning passed by hand must still tile the shape exactly: TMA blocks never straddle an edge."""
     if cfg.wg_split not in ("m", "n"):
@@ -174,8 +193,11 @@ def check_dtypes(a_name, a, b_name, b, preferred_element_type):
 
 
 def check_zero_tail(tuning):
+    """The tuning's enums (zero_tail, tables)."""
     if tuning.zero_tail not in ("kernel", "mask"):
         raise ValueError(f"tuning.zero_tail must be 'kernel' or 'mask', got {tuning.zero_tail!r}")
+    if tuning.tables not in TABLE_METHODS:
+        raise ValueError(f"tuning.tables must be one of {TABLE_METHODS}, got {tuning.tables!r}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -188,21 +210,46 @@ def group_bounds(group_sizes_G, m):
     return starts, jnp.maximum(ends, starts)
 
 
-def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True):
+def prefix_sum(v_G):
+    """Inclusive prefix sums of a short int32 vector as one masked sum over a [G, G] square: plain
+    elementwise + reduce, which XLA fuses with the ops around it (jnp.cumsum is a scan of its own)."""
+    j = jnp.arange(v_G.shape[0], dtype=jnp.int32)
+    return jnp.sum(jnp.where(j[None, :] <= j[:, None], v_G[None, :], 0), axis=1, dtype=jnp.int32)
+
+
+def _fused_group_bounds(group_sizes_G, m):
+    """`group_bounds` with the prefix sum as `prefix_sum` (same values)."""
+    sizes = group_sizes_G.astype(jnp.int32)
+    inclusive = prefix_sum(sizes)
+    starts = jnp.minimum(inclusive - sizes, m)
+    return starts, jnp.maximum(jnp.minimum(inclusive, m), starts)
+
+
+TABLE_METHODS = ("scan", "fused")
+
+
+def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True, method: str = "scan"):
     """int32 [4, S]: for each (segment, row tile) work slot its segment, tile index, first row inside the
     tile and row count; and int32 [2], the numbers of compute slots and of zero-tail slots after them.
     Segment G is the tail past sum(group_sizes): it is stored as zeros. S = cdiv(m, tile) + G bounds the slot count (each boundary
     adds at most one tile); the kernel loops over the valid slots only, so spare ones cost nothing and
-    do not unbalance the SMs."""
+    do not unbalance the SMs.
+    `method` only says how the same table is computed: 'scan' (jnp.cumsum + jnp.searchsorted, whose default
+    method is a while loop of log2(G + 2) steps), 'fused' (the prefix sums and the slot -> segment search as
+    masked sums over [G, G] and [S, G + 1] squares: elementwise + reduce, which XLA fuses into a few kernels)."""
     num_groups = group_sizes_G.shape[0]
-    starts, ends = group_bounds(group_sizes_G, m)
+    fused = method == "fused"
+    starts, ends = (_fused_group_bounds if fused else group_bounds)(group_sizes_G, m)
     starts = jnp.concatenate([starts, ends[-1:]])
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
     first = starts // tile
     n_tiles = jnp.where(ends > starts, (ends - 1) // tile - first + 1, 0)
-    inclusive = jnp.cumsum(n_tiles)
+    inclusive = prefix_sum(n_tiles) if fused else jnp.cumsum(n_tiles)
     slot = jnp.arange(pl.cdiv(m, tile) + num_groups, dtype=jnp.int32)
-    seg = jnp.searchsorted(inclusive, slot, side="right").astype(jnp.int32)
+    if fused:   # searchsorted(side='right'): how many inclusive ends are <= slot
+        seg = jnp.sum(inclusive[None, :] <= slot[:, None], axis=1, dtype=jnp.int32)
+    else:
+        seg = jnp.searchsorted(inclusive, slot, side="right").astype(jnp.int32)
     valid = seg <= num_groups
     seg = jnp.minimum(seg, num_groups)
     block = first[seg] + slot - (inclusive[seg] - n_tiles[seg])
@@ -215,10 +262,10 @@ def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True):
     return table, counts.astype(jnp.int32)
 
 
-def token_block_table(group_sizes_G, m: int, tile: int):
+def token_block_table(group_sizes_G, m: int, tile: int, method: str = "scan"):
     """int32 [4, G]: each group's first token block, block count (at least 1, so an empty group still
     writes its zeros), and [start, end) rows — the rows outside are masked in the first/last block."""
-    starts, ends = group_bounds(group_sizes_G, m)
+    starts, ends = (_fused_group_bounds if method == "fused" else group_bounds)(group_sizes_G, m)
     first = starts // tile
     n_blocks = jnp.maximum(pl.cdiv(ends, tile) - first, 1)
     return jnp.stack([first, n_blocks, starts, ends]).astype(jnp.int32)

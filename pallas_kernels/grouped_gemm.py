@@ -18,7 +18,6 @@ custom VJP's backward is exactly those two calls, so a hand-written backward can
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -30,9 +29,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedGemmTuning, check_dtypes,
                                            check_group_sizes, check_tiling, check_zero_tail,
-                                           default_kernel_tuning, default_tuning, epilogue_smem, fit_smem,
-                                           mask_token_rows, row_tile_table, store_rows, swizzle_transforms,
-                                           token_block_table)
+                                           default_kernel_tuning, default_tuning, epilogue_smem, fit_ragged_tiling,
+                                           fit_smem, mask_token_rows, row_tile_table, store_rows,
+                                           swizzle_transforms, token_block_table)
 from pallas_kernels.grouped_gemm_reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
                                                    grouped_gemm_wgrad_reference)
 from pallas_kernels.varying import match_varying, vary_like
@@ -225,27 +224,29 @@ def _num_sms(tuning: GroupedGemmTuning, interpret: bool) -> int:
     return _INTERPRET_NUM_SMS if interpret else jax.devices()[0].core_count
 
 
-def _ragged_matmul(x, w, group_sizes, out_dtype, cfg, transpose_w, num_sms, interpret, zero_tail="kernel"):
-    m, k = x.shape
-    cfg = fit_smem(cfg, (cfg.cta_m + cfg.cta_n) * cfg.tile_k, out_dtype)
+def ragged_launch(x, w, table, num_valid, out_dtype, cfg, transpose_w, num_sms, interpret):
+    """The forward / input-gradient kernel alone, on work tables made by `row_tile_table` (cfg fitted by
+    `fit_ragged_tiling`, its cta_m the tables' tile)."""
     n = w.shape[1] if transpose_w else w.shape[2]
-    table, num_valid = row_tile_table(group_sizes, m, cfg.cta_m, with_tail=zero_tail == "kernel")
-    if cfg.chain_items:   # chained pipelines need the K steps to be a multiple of the pipeline depth
-        depths = [s for s in range(cfg.max_concurrent_steps, 1, -1) if (k // cfg.tile_k) % s == 0]
-        # the deepest that divides; none (an odd prime step count): unchained at the full depth
-        cfg = dataclasses.replace(cfg, max_concurrent_steps=depths[0], chain_items=True) if depths else \
-            dataclasses.replace(cfg, chain_items=False)
     body = functools.partial(_ragged_kernel, cfg=cfg, transpose_w=transpose_w)
-    out = _launch(body, (m, n), out_dtype, num_sms, interpret, table, num_valid, x, w)
+    return _launch(body, (x.shape[0], n), out_dtype, num_sms, interpret, table, num_valid, x, w)
+
+
+def _ragged_matmul(x, w, group_sizes, out_dtype, cfg, transpose_w, num_sms, interpret, zero_tail="kernel",
+                   tables="scan"):
+    m, k = x.shape
+    cfg = fit_ragged_tiling(cfg, k, out_dtype)
+    table, num_valid = row_tile_table(group_sizes, m, cfg.cta_m, with_tail=zero_tail == "kernel", method=tables)
+    out = ragged_launch(x, w, table, num_valid, out_dtype, cfg, transpose_w, num_sms, interpret)
     if zero_tail == "kernel":
         return out
     rows_M1 = jnp.arange(m, dtype=jnp.int32)[:, None]   # rows the kernel did not write hold garbage
     return jnp.where(rows_M1 < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
 
 
-def _weight_grad(x, dy, group_sizes, out_dtype, cfg, num_sms, interpret):
+def _weight_grad(x, dy, group_sizes, out_dtype, cfg, num_sms, interpret, tables="scan"):
     cfg = fit_smem(cfg, (cfg.cta_m + cfg.cta_n) * cfg.tile_k, out_dtype)
-    table = token_block_table(group_sizes, x.shape[0], cfg.tile_k)
+    table = token_block_table(group_sizes, x.shape[0], cfg.tile_k, method=tables)
     body = functools.partial(_weight_grad_kernel, cfg=cfg)
     shape = (group_sizes.shape[0], x.shape[1], dy.shape[1])
     return _launch(body, shape, out_dtype, num_sms, interpret, table, x, dy)
@@ -299,6 +300,7 @@ def _validate_wgrad(x_MK, dy_MN, group_sizes_G, preferred_element_type, tuning):
     tuning = tuning or default_kernel_tuning("wgrad", k, n)
     check_tiling("wgrad", tuning.wgrad, [("K", k, tuning.wgrad.cta_m), ("N", n, tuning.wgrad.cta_n)],
                  "weight gradient")
+    check_zero_tail(tuning)
     return out_dtype, tuning
 
 
@@ -345,7 +347,7 @@ def grouped_gemm_dgrad(dy_MN, w_GKN, group_sizes_G, *, preferred_element_type=No
     if dy_MN.shape[0] == 0:
         return vary_like(jnp.zeros((0, w_GKN.shape[1]), out_dtype), dy_MN, w_GKN, group_sizes_G)
     dx = _ragged_matmul(dy_MN, w_GKN, group_sizes_G.astype(jnp.int32), out_dtype, tuning.dgrad, True,
-                        _num_sms(tuning, interpret), bool(interpret), tuning.zero_tail)
+                        _num_sms(tuning, interpret), bool(interpret), tuning.zero_tail, tuning.tables)
     return vary_like(dx, dy_MN, w_GKN, group_sizes_G)
 
 
@@ -365,14 +367,15 @@ def grouped_gemm_wgrad(x_MK, dy_MN, group_sizes_G, *, preferred_element_type=Non
     if x_MK.shape[0] == 0:
         return vary_like(jnp.zeros(shape, out_dtype), x_MK, dy_MN, group_sizes_G)
     dw = _weight_grad(x_MK, dy_MN, group_sizes_G.astype(jnp.int32), out_dtype, tuning.wgrad,
-                      _num_sms(tuning, interpret), bool(interpret))
+                      _num_sms(tuning, interpret), bool(interpret), tuning.tables)
     return vary_like(dw, x_MK, dy_MN, group_sizes_G)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _grouped_gemm(x, w, group_sizes, out_dtype, interpret, tuning):
     sms = _num_sms(tuning, interpret)
-    y = _ragged_matmul(x, w, group_sizes, out_dtype, tuning.fwd, False, sms, interpret, tuning.zero_tail)
+    y = _ragged_matmul(x, w, group_sizes, out_dtype, tuning.fwd, False, sms, interpret, tuning.zero_tail,
+                       tuning.tables)
     return vary_like(y, x, w, group_sizes)
 
 

@@ -77,3 +77,23 @@ def test_tiny_interpret_run_writes_json_and_markdown(tmp_path):
     assert set(row["verdict"]) == {"ours>=torch_grouped_mm", "ours>=0.9x_dense_fwd"}
     md = open(str(tmp_path / "gg.md")).read()
     assert "| tiny_g1 | padded | 256 | 128 | 256 | 1 | 128 |" in md and "ours>=0.9x_dense_fwd:" in md
+
+
+def test_profile_cuts_a_trace_into_calls():
+    """benchmarks/grouped_gemm_profile.py: kernels between two Mosaic kernels are that call's table kernels,
+    idle time between them its gaps (a synthetic trace of three calls, microseconds)."""
+    from benchmarks.grouped_gemm_profile import decompose_calls, summarize
+
+    events = []
+    for i in range(3):
+        t = 1000.0 * i
+        events += [dict(name="fusion_1", ts=t, dur=3.0), dict(name="fusion_2", ts=t + 5.0, dur=2.0),
+                   dict(name="mosaic_kernel", ts=t + 10.0, dur=900.0, args={"hlo_op": "custom-call.1"})]
+    main, calls = decompose_calls(events)
+    assert main == "mosaic_kernel" and len(calls) == 2
+    assert calls[0]["main_us"] == 900.0 and calls[0]["period_us"] == 1000.0
+    assert [p["name"] for p in calls[0]["pre"]] == ["fusion_1", "fusion_2"]
+    assert calls[0]["gaps_us"] == [90.0, 2.0, 3.0]   # 910 -> 1000, 1003 -> 1005, 1007 -> 1010
+    s = summarize(main, calls)
+    assert (s["main_us"], s["pre_kernels_us"], s["gaps_us"], s["period_us"]) == (900.0, 5.0, 95.0, 1000.0)
+    assert [p["us"] for p in s["pre"]] == [3.0, 2.0] and s["n_pre_kernels"] == [2]

@@ -1,0 +1,90 @@
+"""The grouped GEMM's work tables (pallas_kernels/_grouped_tiles.py): the fused way of computing them (masked
+sums, no scan, no while loop) gives exactly the tables the default way (cumsum + searchsorted) gives, on
+random sizes with empty groups, tails, cumulative sizes past M and negative entries; and the kernels run on
+the fused tables agree with the plain twin (interpret mode)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels._grouped_tiles import prefix_sum, row_tile_table, token_block_table
+from pallas_kernels.grouped_gemm import (GemmTiling, GroupedGemmTuning, grouped_gemm, grouped_gemm_dgrad,
+                                         grouped_gemm_dgrad_reference, grouped_gemm_reference, grouped_gemm_wgrad,
+                                         grouped_gemm_wgrad_reference)
+
+
+def _random_sizes(rng, batch, g, m):
+    """A batch of size vectors of every kind the kernels must take."""
+    kinds = [rng.multinomial(m, rng.dirichlet(np.ones(g)), size=batch // 4),        # sum == m
+             rng.integers(0, 2 * m // g + 2, (batch // 4, g)),                     # short (tail) or cut at m
+             np.where(rng.random((batch // 4, g)) < 0.5, 0, rng.integers(0, m // 2 + 1, (batch // 4, g))),
+             rng.integers(-3, m // g + 3, (batch - 3 * (batch // 4), g))]           # negative entries
+    return jnp.asarray(np.concatenate(kinds), jnp.int32)
+
+
+@pytest.mark.parametrize("g, m, tile", [(1, 100, 64), (7, 300, 64), (16, 1000, 128), (33, 257, 256)])
+def test_fused_tables_equal_the_scan_tables(g, m, tile):
+    sizes_BG = _random_sizes(np.random.default_rng(g * m + tile), 64, g, m)
+    for tail in (True, False):
+        fused = jax.jit(jax.vmap(lambda s, t=tail: row_tile_table(s, m, tile, t, method="fused")))(sizes_BG)
+        scan = jax.jit(jax.vmap(lambda s, t=tail: row_tile_table(s, m, tile, t, method="scan")))(sizes_BG)
+        for a, b in zip(fused, scan):
+            np.testing.assert_array_equal(a, b)
+    tok = [jax.jit(jax.vmap(lambda s, mt=mt: token_block_table(s, m, tile, method=mt)))(sizes_BG)
+           for mt in ("fused", "scan")]
+    np.testing.assert_array_equal(*tok)
+
+
+def test_fused_tables_on_the_qwen3_shape():
+    """M = 65536 rows, 128 groups, 128-row tiles: the issue-10 shape's tables, uniform and padded."""
+    m, g = 65536, 128
+    for sizes in (np.full(g, m // g), np.full(g, m // (2 * g)), np.where(np.arange(g) % 2 == 0, 1024, 0)):
+        gs = jnp.asarray(sizes, jnp.int32)
+        fused, scan = (jax.jit(lambda s, mt=mt: row_tile_table(s, m, 128, method=mt))(gs) for mt in ("fused", "scan"))
+        for a, b in zip(fused, scan):
+            np.testing.assert_array_equal(a, b)
+        assert int(fused[1][0]) == int(sizes.sum()) // 128 and int(fused[1][1]) == (m - int(sizes.sum())) // 128
+
+
+def test_prefix_sum_is_cumsum():
+    v = jnp.asarray(np.random.default_rng(1).integers(-50, 1000, 129), jnp.int32)
+    np.testing.assert_array_equal(prefix_sum(v), jnp.cumsum(v))
+
+
+def test_interpret_kernels_on_fused_tables_match_reference():
+    """The fused tables drive all three kernels (forward, dgrad, wgrad) to the twins' results."""
+    small = GemmTiling(tile_m=64, tile_n=64, max_concurrent_steps=2, wg_split="n", grid_tile_width=2)
+    tuning = GroupedGemmTuning(fwd=small, dgrad=dataclasses.replace(small, wg_split="m"),
+                               wgrad=dataclasses.replace(small, wg_split="m"), num_sms=3, tables="fused")
+    kx, kw, kd = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(kx, (200, 128), jnp.bfloat16)
+    w = jax.random.normal(kw, (4, 128, 128), jnp.bfloat16)
+    dy = jax.random.normal(kd, (200, 128), jnp.bfloat16)
+    gs = jnp.asarray([50, 0, 77, 30], jnp.int32)   # an empty group, a tail of 43 rows
+    f32 = dict(preferred_element_type=jnp.float32, interpret=True, tuning=tuning)
+    got = (grouped_gemm(x, w, gs, **f32), grouped_gemm_dgrad(dy, w, gs, **f32), grouped_gemm_wgrad(x, dy, gs, **f32))
+    want = (grouped_gemm_reference(x, w, gs, jnp.float32), grouped_gemm_dgrad_reference(dy, w, gs, jnp.float32),
+            grouped_gemm_wgrad_reference(x, dy, gs, jnp.float32))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-3)
+    assert np.all(np.asarray(got[0])[157:] == 0.0) and np.all(np.asarray(got[1])[157:] == 0.0)
+    assert np.all(np.asarray(got[2])[1] == 0.0)
+
+
+def test_bad_tables_method_raises():
+    x, w = jnp.zeros((64, 256), jnp.bfloat16), jnp.zeros((2, 256, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="tuning.tables"):
+        grouped_gemm(x, w, jnp.zeros((2,), jnp.int32), interpret=True,
+                     tuning=GroupedGemmTuning(tables="while"))
+
+
+@pytest.mark.gpu
+def test_gpu_fused_tables_equal_the_scan_tables():
+    """The same equality compiled by XLA:GPU (its own fusions of the masked sums)."""
+    sizes_BG = _random_sizes(np.random.default_rng(9), 64, 128, 65536)
+    fused, scan = (jax.jit(jax.vmap(lambda s, mt=mt: row_tile_table(s, 65536, 128, method=mt)))(sizes_BG)
+                   for mt in ("fused", "scan"))
+    for a, b in zip(fused, scan):
+        np.testing.assert_array_equal(a, b)
