@@ -8,7 +8,7 @@ tokamax's ragged_dot, torch._grouped_mm (a torch subprocess) and the dense GEMM 
     python3 benchmarks/bench_grouped_gemm.py --suite issue10 --list                # its cases, no GPU
     python3 benchmarks/bench_grouped_gemm.py --suite tiny --interpret --out /tmp/t.json  # CPU smoke
     python3 benchmarks/bench_grouped_gemm.py --suite issue10 --only qwen3_30b_a3b_ep1,qwen3_30b_a3b_ep8 --torch \
-        --impls ours/,ours_fused_tables/,dense --out $OUT/grouped_gemm_tables.json   # work tables before/after
+        --impls ours/,ours_scan_tables/,dense --out $OUT/grouped_gemm_tables.json   # work tables before/after
 
 Shapes (--mode): the two goal shapes of issue 4 (Mixtral-like M=32768 K=4096 N=14336 G=8; fine-grained
 M=8192 K=4096 N=1408 G=16) and the up-projection of each of the paper's six models at EP=8 with

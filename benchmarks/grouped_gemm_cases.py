@@ -160,7 +160,7 @@ def print_cases(cases, args):
     for i, c in enumerate(cases):
         print(f"{i:3d} {c['shape']:20s} {c['routing']:10s} {c['M']:6d} {c['K']:5d} {c['N']:6d} {c['G']:4d} "
               f"{c['useful_rows']:6d} {2 * c['useful_rows'] * c['K'] * c['N'] / 1e9:10.1f}  {rle(c['group_sizes'])}")
-    grouped = [b for b in ("ours", "ours_mask_tail", "ours_fused_tables", "xla_ragged_dot") if wanted(f"{b}/fwd", args)]
+    grouped = [b for b in ("ours", "ours_mask_tail", "ours_scan_tables", "xla_ragged_dot") if wanted(f"{b}/fwd", args)]
     kinds = 2 if args.bwd else 1
     n_grouped = len(cases) * len(grouped) * kinds
     dense_keys = {(c["useful_rows"], c["K"], c["N"]) for c in cases} if wanted("dense_same_flops/fwd", args) else set()

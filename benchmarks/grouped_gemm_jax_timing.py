@@ -102,9 +102,9 @@ def jax_impls(m, k, n, g, args):
     # the other owner of the zero tail (GroupedGemmTuning.zero_tail), same tiles
     mask_tuning = dataclasses.replace(default_tuning(m, k, n, g), zero_tail="mask")
     impls["ours_mask_tail"] = lambda x, w, gs: grouped_gemm(x, w, gs, interpret=interp, tuning=mask_tuning)
-    # the same work tables computed without scan or while loop (GroupedGemmTuning.tables), same kernel
-    impls["ours_fused_tables"] = lambda x, w, gs: grouped_gemm(
-        x, w, gs, interpret=interp, tuning=dataclasses.replace(default_tuning(m, k, n, g), tables="fused"))
+    # the work tables by cumsum + searchsorted (GroupedGemmTuning.tables, the default before "fused"), same kernel
+    impls["ours_scan_tables"] = lambda x, w, gs: grouped_gemm(
+        x, w, gs, interpret=interp, tuning=dataclasses.replace(default_tuning(m, k, n, g), tables="scan"))
     # the forward tiles before the shape rule for large experts (64-wide K steps, four deep), where they differ
     base = default_tuning(m, k, n, g)
     if base.fwd.tile_k != 64:
