@@ -203,21 +203,36 @@ def _experts_forward(cfg: MacroBlock, math, w, h2_TD, idx_TK, weight_TK, *, keep
     ffn, e = cfg.ffn, w.experts
     pieces = zip(_chunks_of(h2_TD, cfg.chunks), _chunks_of(idx_TK, cfg.chunks), _chunks_of(weight_TK, cfg.chunks))
     ys, chunks, tokens_per_expert, dropped = [], [], 0, 0
+    pending = None    # the previous chunk's (c, y_MD, plan, weight, x_MD): its combine waits for this chunk's rows
+
+    def combine(c, y_MD, plan, weight):
+        with jax.named_scope(f"chunk{c}/combine"):
+            ys.append(ffn.combine_rows(y_MD, plan, weight))
+
     for c, (h_TD, idx, weight) in enumerate(pieces):
-        with jax.named_scope(f"chunk{c}"):
-            with jax.named_scope("dispatch"):
-                plan = ffn.plan(idx)
-                x_MD = ffn.send(h_TD, plan)
-            with jax.named_scope("experts"):
-                gate = math.expert_gemm(x_MD, e.gate_EDF, plan.group_sizes)
-                up = math.expert_gemm(x_MD, e.up_EDF, plan.group_sizes)
-                act, p_act = _pull(keep_all, math.activation, gate, up)
-                y_MD = math.expert_gemm(act, e.down_EFD, plan.group_sizes)
-            with jax.named_scope("combine"):
-                ys.append(ffn.combine_rows(y_MD, plan, weight))
+        with jax.named_scope(f"chunk{c}/dispatch"):
+            plan = ffn.plan(idx)
+            if pending is not None:
+                # Pin the pipeline, which XLA would otherwise not keep (seen in the GPU schedule: chunk 1's
+                # exchange issued first with nothing under it; the all_gather dispatch's chunks merged into one
+                # collective): this send starts once the previous chunk's rows have arrived ...
+                h_TD, _ = lax.optimization_barrier((h_TD, pending[4]))
+            x_MD = ffn.send(h_TD, plan)
+        if pending is not None:
+            # ... and must land before the previous chunk's combine: that chunk's GEMMs run meanwhile.
+            with jax.named_scope(f"chunk{c}/pipeline_order"):
+                y_prev, x_MD = lax.optimization_barrier((pending[1], x_MD))
+            combine(pending[0], y_prev, *pending[2:4])
+        with jax.named_scope(f"chunk{c}/experts"):
+            gate = math.expert_gemm(x_MD, e.gate_EDF, plan.group_sizes)
+            up = math.expert_gemm(x_MD, e.up_EDF, plan.group_sizes)
+            act, p_act = _pull(keep_all, math.activation, gate, up)
+            y_MD = math.expert_gemm(act, e.down_EFD, plan.group_sizes)
+        pending = (c, y_MD, plan, weight, x_MD)
         chunks.append(ExpertChunk(plan, x_MD if keep_all else None, gate, up, (act, p_act) if keep_all else None))
         tokens_per_expert = tokens_per_expert + plan.tokens_per_expert
         dropped = dropped + plan.dropped_tokens
+    combine(*pending[:4])
     y_TD = ys[0] if len(ys) == 1 else jnp.concatenate(ys)
     return y_TD, tuple(chunks), (tokens_per_expert, dropped)
 
@@ -303,6 +318,11 @@ def _experts_backward(cfg: MacroBlock, math, w, pulls: Pullbacks, dy_TD):
         with jax.named_scope(f"macro_bwd/chunk{c}/dy_exchange"):
             dy_MD = ffn.send(dy_c, ch.plan, gradient=True)          # unweighted: each row gets its token's dy
             weight_M = ffn.weights_to_rows(weight_c, ch.plan)
+            # The re-sent tokens (selective) are needed only by this chunk's weight gradients, so XLA issues
+            # their exchange last, where it takes the wgrads' place under the dx exchange and leaves that
+            # exchange exposed (seen in the GPU schedule). Binding them to dy makes them arrive before the
+            # chunk's dgrads: the re-send runs under the previous work, the wgrads under the dx exchange.
+            x_MD, dy_MD = lax.optimization_barrier((ch.x_MD, dy_MD))
         with jax.named_scope(f"macro_bwd/chunk{c}/expert_dgrad"):
             act, p_act = ch.activation or jax.vjp(math.activation, ch.gate_MF, ch.up_MF)
             g_MF = dgrad(dy_MD, e.down_EFD.astype(dt), gs).astype(jnp.float32)
@@ -310,13 +330,21 @@ def _experts_backward(cfg: MacroBlock, math, w, pulls: Pullbacks, dy_TD):
             d_gate, d_up = p_act((weight_M[:, None] * g_MF).astype(act.dtype))
             dx_MD = dgrad(d_gate, e.gate_EDF.astype(dt), gs) + dgrad(d_up, e.up_EDF.astype(dt), gs)
         with jax.named_scope(f"macro_bwd/chunk{c}/dx_exchange"):
-            dxs.append(ffn.send_transpose(dx_MD, ch.plan, dy_c.shape[0]))
+            dx_home = ffn.send_transpose(dx_MD, ch.plan, dy_c.shape[0])
+        with jax.named_scope(f"macro_bwd/chunk{c}/routing_weight_grad_exchange"):   # [M] floats: small
             d_weights.append(ffn.rows_to_weights(d_weight_M, ch.plan, weight_c.shape))
         with jax.named_scope(f"macro_bwd/chunk{c}/expert_wgrad"):
             weighted_dy_MD = (weight_M[:, None] * dy_MD.astype(jnp.float32)).astype(dt)
-            d_down_w.append(wgrad(act, weighted_dy_MD, gs))
-            d_gate_w.append(wgrad(ch.x_MD, d_gate, gs))
-            d_up_w.append(wgrad(ch.x_MD, d_up, gs))
+            dw = (wgrad(act, weighted_dy_MD, gs), wgrad(x_MD, d_gate, gs), wgrad(x_MD, d_up, gs))
+        # Nothing else needs the weight gradients until the step's end, so XLA's scheduler (bottom-up) spends
+        # them on the attention backward's collectives and leaves the dx exchange with nothing under it (seen
+        # in the GPU schedule). Binding them to the exchanged dx makes the attention backward wait for both,
+        # and the wgrads are what is left to run while the dx exchange is in flight.
+        dx_home, dw = lax.optimization_barrier((dx_home, dw))
+        dxs.append(dx_home)
+        d_down_w.append(dw[0])
+        d_gate_w.append(dw[1])
+        d_up_w.append(dw[2])
     total = lambda parts: functools.reduce(jnp.add, [p.astype(jnp.float32) for p in parts])   # noqa: E731
     d_h2_TD = dxs[0] if len(dxs) == 1 else jnp.concatenate(dxs)
     d_weight_TK = d_weights[0] if len(d_weights) == 1 else jnp.concatenate(d_weights)
