@@ -23,7 +23,7 @@ from megascale_jax.planner import cost, efficiency, hardware, systems
 from megascale_jax.planner import workload as wl
 
 FILES = ("train_mixtral_small_1xh200.json", "train_tiny_1xh200.json", "plans_2xh200.json",
-         "pipeline_2xh200.json", "train_step_1xh200.json")
+         "pipeline_2xh200.json", "train_step_1xh200.json", "train_remat_1xh200.json")
 TOLERANCE = 0.15
 
 # Remat of the configs when the runs were made (mixtral_small / deepseekmoe_small set remat='full', tiny_cpu
@@ -33,6 +33,9 @@ MEASURED_REMAT = {"mixtral_small": "full", "deepseekmoe_small": "full", "tiny_cp
 # 'none', layer loop unrolled, per the file's description); the earlier runs in that file are sweeps of code
 # states that no longer exist (scanned loop, older permutations), which the model has no knob for.
 TRAIN_STEP_RUNS = {"4_main_defaults": "none"}
+# train_remat_1xh200.json: remat none vs selective at 16 / 32 x 4096 (each row sets train.remat); only the run of
+# the code that keeps cuDNN's softmax statistics (run 1's selective reran the attention forward).
+REMAT_RUNS = ("2_cudnn_stats_kept",)
 
 # label -> reason. Only cases whose cause the committed profile data shows.
 OUTLIERS = {
@@ -63,6 +66,11 @@ def _rows(name: str, data: dict):
         for row in data["runs"]:
             if row.get("run") in TRAIN_STEP_RUNS:
                 yield f"{row['config']}:{row['variant']}", row, TRAIN_STEP_RUNS[row["run"]]
+        return
+    if name == "train_remat_1xh200.json":
+        for row in data["results"]:
+            if row.get("run") in REMAT_RUNS and "tokens_per_s_median" in row:
+                yield f"{row['config']}:{row['variant']}", row, row["overrides"]["train.remat"]
         return
     for row in data["results"]:
         if "tokens_per_s_median" not in row:

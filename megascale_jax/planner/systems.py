@@ -47,7 +47,7 @@ class System:
     #                                  --recompute-method block --recompute-num-layers; MegaScale-MoE is built on it)
     fa_gg_share: float = 0.0         # > 0: a layer takes at least (attention + grouped GEMM) / this (sensitivity:
     #                                  the paper's §7 profile, 'about one-third'); 0 = off
-    selective: str = "ours"      # what remat='selective' recomputes: ours (gate/up GEMMs, router, elementwise),
+    selective: str = "ours"      # what remat='selective' recomputes: ours (router, elementwise, dense-FFN gate/up),
     #                              sar (elementwise only, the paper's SAR), core (attention core, Megatron)
     notes: str = ""
 

@@ -159,7 +159,8 @@ def moe_ffn_work(sh: Shape, layout: str, T: int, n: int, dispatch: str, padded: 
         real, pad = _ep_rows(sh, T, n, padded)
         tok, rows, width = T / n, pad, f
         gemms.append(Gemm("router", 2 * tok * h * E, False, tok, h, E, 0.0, ("full", "selective")))
-        gemms += _swiglu_gemms("expert_", real, E // n, h, f, True, (pad - real) / real)
+        # routed experts' gate / up outputs are kept under 'selective' (model/transformer.py REMAT_POLICIES)
+        gemms += _swiglu_gemms("expert_", real, E // n, h, f, True, (pad - real) / real, ("full",))
         if sf:
             gemms += _swiglu_gemms("shared_", tok, 1, h, sf, False, 0.0)
         if n > 1:
@@ -179,20 +180,20 @@ def moe_ffn_work(sh: Shape, layout: str, T: int, n: int, dispatch: str, padded: 
     elif layout == "tp":
         tok, rows, width = T, T * K, f // n
         gemms.append(Gemm("router", 2 * T / n * h * E, False, T / n, h, E, 0.0, ("full", "selective")))
-        gemms += _swiglu_gemms("expert_", T * K, E, h, f // n, True, 0.0)
+        gemms += _swiglu_gemms("expert_", T * K, E, h, f // n, True, 0.0, ("full",))
         if sf:
             gemms += _swiglu_gemms("shared_", T, 1, h, sf // n, False, 0.0)
         if n > 1:
             comms += [Comm("tp_ag", T * h * (n - 1) / n * BF16, "ag", ("full", "selective")),
                       Comm("tp_rs", T * h * (n - 1) / n * BF16, "rs")]
         # norms, gathered input, permuted rows, expert outputs (the combine's routing-weight gradient reads them,
-        # as EP's 2 x k_eff counts), gate/up/act
+        # as EP's 2 x padded rows per token count), gate/up/act
         units = 2 + n + 2 * n * K + 3 * K * f / h
         perm_rows = T * K
     else:   # xla: every device runs all T*K rows through its local experts; intermediates all-reduced
         tok, rows, width = T, T * K, f
         gemms.append(Gemm("router", 2 * T * h * E, False, T, h, E, 0.0, ("full", "selective")))
-        gemms += _swiglu_gemms("expert_", T * K, max(E // n, 1), h, f, True, 0.0)
+        gemms += _swiglu_gemms("expert_", T * K, max(E // n, 1), h, f, True, 0.0, ("full",))
         if sf:
             gemms += _swiglu_gemms("shared_", T, 1, h, sf, False, 0.0)
         if n > 1:   # on the GPU the partitioner all-gathers the sharded expert weights (bf16) in the forward
@@ -238,9 +239,16 @@ def layer_work(sh: Shape, recipe: str, T: int, n: int, *, dense: bool = False, d
     else:
         g2, (ff, fb), c2, u2 = moe_ffn_work(sh, ffn, T, n, dispatch, padded)
     real, pad = _ep_rows(sh, T, n, padded)
-    k_eff = pad / (T / n) if ffn == "ep" else sh.top_k * (n if ffn in ("tp", "xla") else 1)
+    # 'selective' keeps (model/transformer.py REMAT_POLICIES): the block input, q/k/v, the attention core's output,
+    # the residual after attention, and of a MoE layer the routed experts' gate / up outputs [rows, width] and
+    # their outputs [rows, h] (measured for a Mixtral layer at n = 8: 20.5 units, activation_memory_mixtral_n8.json)
+    if dense:
+        experts = 0.0
+    else:
+        rows, width = {"ep": (pad, sh.f), "tp": (T * sh.top_k, sh.f / n)}.get(ffn, (T * sh.top_k, sh.f))
+        experts = rows * (2 * width + sh.h) / (T * sh.h / n)
     units = {"none": u1 + u2, "full": n if att == "rep" else 1,
-             "selective": 1 + (sh.q_dim + 2 * sh.kv_dim) / sh.h + sh.q_dim / sh.h + k_eff,   # input, qkv, core, experts
+             "selective": 2 + (sh.q_dim + 2 * sh.kv_dim) / sh.h + sh.q_dim / sh.h + experts,
              "selective_core": u1 + u2}                          # Megatron: only the attention core recomputed
     if sar_formula and recipe == "megascale" and not dense:
         # Paper §4.1 (routed experts only); a shared expert, replicated and run on the device's T/n tokens,
