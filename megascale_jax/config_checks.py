@@ -205,7 +205,7 @@ def _validate_moe_layer(cfg) -> None:
            "overlap_chunks=1.")
     if p.moe_layer == MoELayer.FUSED:
         _check(p.plan == PlanKind.MANUAL and p.ffn == FFNPlan.EP and p.ep_dispatch == EPDispatch.ALL_GATHER
-               and p.intra > 1, "config.parallel.moe_layer='fused' runs the all_gather dispatch as ring steps: it "
+               and p.intra > 1, "config.parallel.moe_layer='fused' runs the all_gather dispatch (and SP attention) as ring steps: it "
                f"needs plan='manual', ffn='ep', ep_dispatch='all_gather' and intra > 1 (got plan={p.plan!r}, "
                f"ffn={p.ffn!r}, ep_dispatch={p.ep_dispatch!r}, intra={p.intra}).")
     if p.moe_layer != MoELayer.MACRO:

@@ -9,10 +9,12 @@ Qwen3MoeAttention applies q_norm / k_norm to the [.., heads, head_dim] view in t
 The attention core (softmax(QK^T)V) is `jax.nn.dot_product_attention`: cuDNN flash attention on GPU with
 bf16, XLA elsewhere (resolved once at build time, `resolve_attention_impl`). The layout's attention
 strategy wraps the core with its communication (parallel/layouts.py: none, the Ulysses all-to-alls, or
-Megatron's gather / reduce-scatter); the projections never change.
+Megatron's gather / reduce-scatter; parallel/ring_attention.py: the all-to-alls fused with the projections,
+which it then runs per slice of heads); the projection arithmetic never changes.
 """
 from __future__ import annotations
 
+import functools
 from enum import StrEnum
 
 import jax
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from megascale_jax.model.layers import RMSNorm, param, rope
+from megascale_jax.model.layers import RMSNorm, param, rms_norm, rope
 
 
 class AttentionKind(StrEnum):
@@ -72,27 +74,45 @@ class Attention(nnx.Module):
         self.qkv_bias, self.qk_norm = m.qkv_bias, m.qk_norm
         self.rope_theta, self.implementation = m.rope_theta, implementation
 
-    def _project(self, x_BSD):
-        """q, k, v in the compute dtype: projections (+ biases), per-head RMSNorm of q and k (RoPE follows)."""
-        q, k, v = project_qkv(x_BSD, self.wq_DHK[...], self.wk_DGK[...], self.wv_DGK[...])
+    def _qkv_weights(self) -> dict:
+        """The arrays the q/k/v projections read, handed over explicitly: a strategy that projects per slice of
+        heads (parallel/ring_attention.py) uses them n times and retypes them once for shard_map, so that their
+        gradients are summed locally and reduced over the mesh once."""
+        w = {"wq": self.wq_DHK[...], "wk": self.wk_DGK[...], "wv": self.wv_DGK[...]}
+        if self.qkv_bias:
+            w.update(q_bias=self.q_bias_HK[...], k_bias=self.k_bias_GK[...], v_bias=self.v_bias_GK[...])
+        if self.qk_norm:
+            w.update(q_norm=self.q_norm.scale[...], k_norm=self.k_norm.scale[...])
+        return w
+
+    def _project(self, x_BSD, w, q_heads=None, kv_heads=None):
+        """q, k, v in the compute dtype: projections (+ biases), per-head RMSNorm of q and k (RoPE follows).
+        `w`: `_qkv_weights()`; `q_heads` / `kv_heads`: int arrays of the heads to compute (None: all)."""
+        pick = lambda a, heads, axis: a if heads is None else jnp.take(a, heads, axis=axis)  # noqa: E731
+        q, k, v = project_qkv(x_BSD, pick(w["wq"], q_heads, 1), pick(w["wk"], kv_heads, 1), pick(w["wv"], kv_heads, 1))
         if self.qkv_bias:
             dt = x_BSD.dtype
-            q, k, v = (q + self.q_bias_HK[...].astype(dt), k + self.k_bias_GK[...].astype(dt),
-                       v + self.v_bias_GK[...].astype(dt))
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = (q + pick(w["q_bias"], q_heads, 0).astype(dt), k + pick(w["k_bias"], kv_heads, 0).astype(dt),
+                       v + pick(w["v_bias"], kv_heads, 0).astype(dt))
+        if self.qk_norm:   # RMSNorm's arithmetic on the explicit scales
+            q, k = rms_norm(q, w["q_norm"], self.q_norm.eps), rms_norm(k, w["k_norm"], self.k_norm.eps)
         return q, k, v
 
-    def __call__(self, x_BSD, comm):
-        """`comm`: the layout's attention strategy (parallel/layouts.py)."""
-        x_BSD = comm.attention_input(x_BSD)
-        positions_BS = comm.positions(x_BSD)
-        q, k, v = self._project(x_BSD)
+    def _project_rope(self, positions_BS, x_BSD, w, q_heads=None, kv_heads=None):
+        """`_project`, then RoPE at the rows' global positions; the tensors the remat policies call 'qkv'."""
+        q, k, v = self._project(x_BSD, w, q_heads, kv_heads)
         q, k = rope(q, positions_BS, self.rope_theta), rope(k, positions_BS, self.rope_theta)
-        q, k, v = checkpoint_name(q, "qkv"), checkpoint_name(k, "qkv"), checkpoint_name(v, "qkv")
-        q, k, v = comm.heads_in(q, k, v)
-        out = comm.heads_out(attention_core(q, k, v, self.implementation))
-        return comm.proj_out(project_out(out, self.wo_HKD[...]))
+        return checkpoint_name(q, "qkv"), checkpoint_name(k, "qkv"), checkpoint_name(v, "qkv")
+
+    def __call__(self, x_BSD, comm):
+        """`comm`: the layout's attention strategy (parallel/layouts.py). It owns the communication around the
+        core and may own the projection GEMMs (tiled by rank, as a fused GEMM+A2A / A2A+GEMM does), so it gets
+        them as pure functions of explicit weights; unfused it calls each once on all heads."""
+        x_BSD = comm.attention_input(x_BSD)
+        project = functools.partial(self._project_rope, comm.positions(x_BSD))
+        q, k, v = comm.project_heads_in(x_BSD, project, self._qkv_weights())
+        out = attention_core(q, k, v, self.implementation)
+        return comm.project_heads_out(out, project_out_heads, self.wo_HKD[...])
 
 
 def project_qkv(x_BSD, wq_DHK, wk_DGK, wv_DGK):
@@ -103,9 +123,15 @@ def project_qkv(x_BSD, wq_DHK, wk_DGK, wv_DGK):
     return q, k, jnp.einsum("bsd,dgk->bsgk", x_BSD, wv_DGK.astype(dt))
 
 
-def project_out(o_BSHK, wo_HKD):
-    """The output projection [.., heads, head_dim] -> [.., D] in o's dtype."""
-    return jnp.einsum("bshk,hkd->bsd", o_BSHK, wo_HKD.astype(o_BSHK.dtype))
+def project_out_heads(o_BSHK, wo_HKD, heads=None, out_dtype=None):
+    """`project_out` of the heads `heads` (int array, None: all) of o, with wo's rows of those heads."""
+    return project_out(o_BSHK, wo_HKD if heads is None else jnp.take(wo_HKD, heads, axis=0), out_dtype)
+
+
+def project_out(o_BSHK, wo_HKD, out_dtype=None):
+    """The output projection [.., heads, head_dim] -> [.., D] in o's dtype, or in `out_dtype` (a sum over slices
+    of heads keeps its partials in fp32: the GEMM's accumulator, not rounded to o's dtype)."""
+    return jnp.einsum("bshk,hkd->bsd", o_BSHK, wo_HKD.astype(o_BSHK.dtype), preferred_element_type=out_dtype)
 
 
 ATTENTIONS = {AttentionKind.GQA: Attention}

@@ -82,6 +82,12 @@ class KvHeadLayout:
         """kv heads each rank holds after `kv_seq_to_heads` (its local q heads use plain GQA over them)."""
         return self.q_slot_NQ.shape[1] if self.expand_locally else self.slots_per_rank
 
+    def local_kv(self, k_recv_BSSD: jax.Array, rank) -> jax.Array:
+        """The received slots [B, S, slots, D] of rank `rank` -> its local kv heads (plain GQA for its q heads)."""
+        if not self.expand_locally:
+            return k_recv_BSSD
+        return jnp.take(k_recv_BSSD, jnp.asarray(self.q_slot_NQ)[rank], axis=2)
+
     def wire_bytes(self, batch: int, seq_len: int, head_dim: int, itemsize: int) -> int:
         """Bytes one rank sends for one of k or v: (n-1) * B * (S/n) * slots * D * itemsize."""
         n = self.axis_size
@@ -130,10 +136,7 @@ def kv_seq_to_heads(k_BSGD: jax.Array, axis, num_q_heads: int) -> jax.Array:
     else:
         k_slots = jnp.take(k_BSGD, slot_heads, axis=2)
     k_recv = lax.all_to_all(k_slots, axis, split_axis=2, concat_axis=1, tiled=True)
-    if not layout.expand_locally:
-        return k_recv
-    q_slot = jnp.asarray(layout.q_slot_NQ)[lax.axis_index(axis)]
-    return jnp.take(k_recv, q_slot, axis=2)
+    return layout.local_kv(k_recv, lax.axis_index(axis))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -209,11 +212,13 @@ def scatter_sum_tokens(y_TD: jax.Array, axis) -> jax.Array:
     return lax.psum_scatter(y_TD, axis, scatter_dimension=0, tiled=True)
 
 
-def ring_pass(x: jax.Array, axis) -> jax.Array:
-    """Point-to-point ring step over the EP domain: rank i sends x to rank i + 1 (mod n) and receives rank
-    i - 1's. One hop per step is what a fused AG+GEMM / GEMM+RS schedule moves while it computes.
+def ring_pass(x, axis, *, shift: int = 1):
+    """Point-to-point ring step over the intra domain: rank i sends x (an array or a tuple of arrays) to rank
+    i + shift (mod n) and receives rank i - shift's. One hop per step (shift 1) is what a fused AG+GEMM /
+    GEMM+RS schedule moves while it computes; shift j is the j-th of the n - 1 direct sends an all-to-all
+    splits into (a fused GEMM+A2A / A2A+GEMM schedule: on NVLink every pair of ranks is one hop apart).
 
     Bytes per rank: one local x.
     """
     n = lax.axis_size(axis)
-    return lax.ppermute(x, axis, perm=[(i, (i + 1) % n) for i in range(n)])
+    return lax.ppermute(x, axis, perm=[(i, (i + shift) % n) for i in range(n)])

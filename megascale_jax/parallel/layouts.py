@@ -4,7 +4,8 @@ The model calls the same hooks in the same places under every plan; a Layout ans
   reductions  Reductions      token means / count sums: identity in the global (XLA) view, over the
                               (data, intra) axes when the step runs per device inside shard_map;
   attention   AttentionComm   LocalAttention | UlyssesAttention (SP: all-to-all sequence <-> heads around
-                              the attention core) | MegatronAttention (TP: all-gather the sequence,
+                              the attention core; RingUlyssesAttention: those fused with the projections,
+                              parallel/ring_attention.py) | MegatronAttention (TP: all-gather the sequence,
                               heads sharded in the weights, reduce-scatter the output projection);
   ffn         FFNDispatcher   LocalDispatch (the n = 1 sort) | AllToAllDispatch | AllGatherDispatch (EP:
                               whole experts per rank) | TensorParallelDispatch (TP: all-gather the
@@ -37,6 +38,7 @@ from jax import lax
 from megascale_jax.parallel import collectives
 from megascale_jax.parallel import expert_parallel as ep
 from megascale_jax.parallel import token_routes as routes
+from megascale_jax.parallel import ring_attention
 from megascale_jax.parallel.overlap import MacroBlock
 from megascale_jax.parallel.ring_dispatch import RingAllGatherDispatch
 from megascale_jax.parallel.plan import (DATA, INTRA, AttentionPlan, DispatchDType, EPDispatch, FFNPlan, MoELayer,
@@ -95,6 +97,8 @@ class AttentionComm(Protocol):
     def heads_in(self, q, k, v): """Projected q/k/v -> the layout the attention core runs on."""
     def heads_out(self, out): """The core's output -> the layout the output projection reads."""
     def proj_out(self, y_BSD): """The output projection -> the residual stream's layout."""
+    def project_heads_in(self, x_BSD, project, w): """project(x, w, q_heads, kv_heads) -> q, k, v as the core reads."""
+    def project_heads_out(self, out, project_out, wo): """project_out(o, wo, heads, dtype) of out -> residual layout."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +118,14 @@ class LocalAttention:
 
     def proj_out(self, y_BSD):
         return y_BSD
+
+    # The hooks a fused GEMM+A2A / A2A+GEMM schedule overrides (parallel/ring_attention.py); unfused they are
+    # the projections on all heads (head arguments None) and the moves above, in sequence.
+    def project_heads_in(self, x_BSD, project, w):
+        return self.heads_in(*project(x_BSD, w))
+
+    def project_heads_out(self, out, project_out, wo):
+        return self.proj_out(project_out(self.heads_out(out), wo))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +147,18 @@ class UlyssesAttention(LocalAttention):
 
     def heads_out(self, out):
         return collectives.heads_to_seq(out, self.axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingUlyssesAttention(UlyssesAttention):
+    """SP with the all-to-alls fused into the projections: GEMM+A2A and A2A+GEMM as n point-to-point steps,
+    each projecting one peer rank's slice of heads (parallel/ring_attention.py)."""
+
+    def project_heads_in(self, x_BSD, project, w):
+        return ring_attention.project_seq_to_heads(x_BSD, project, w, axis=self.axis, num_heads=self.num_heads)
+
+    def project_heads_out(self, out, project_out, wo):
+        return ring_attention.project_heads_to_seq(out, project_out, wo, axis=self.axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,7 +354,8 @@ def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int, moe_lay
     """The layout `plan` calls for. Per device (manual plan or pipeline) reductions go over the mesh; the
     SP / TP / EP strategies exist only under the manual plan (under XLA the compiler communicates).
     moe_layer='macro' adds the macro block (parallel/overlap.py), which then owns the MoE blocks' remat;
-    'fused' swaps the all_gather dispatcher for its ring schedule (parallel/ring_dispatch.py)."""
+    'fused' swaps the all_gather dispatcher for its ring schedule (parallel/ring_dispatch.py) and Ulysses SP
+    attention for its fused GEMM+A2A / A2A+GEMM schedule (parallel/ring_attention.py; TP attention stays)."""
     layout = _plain_layout(plan, num_heads=num_heads, num_experts=num_experts)
     if moe_layer == MoELayer.AUTODIFF:
         return layout
@@ -339,7 +364,11 @@ def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int, moe_lay
             raise ValueError("parallel.moe_layer='fused' tiles the all_gather dispatch into ring steps: set "
                              "parallel.ep_dispatch='all_gather' with the manual plan, ffn='ep' and intra > 1, "
                              "or moe_layer='autodiff'.")
-        return dataclasses.replace(layout, ffn=RingAllGatherDispatch(layout.ffn.num_experts))
+        attention = layout.attention
+        if type(attention) is UlyssesAttention:
+            attention = RingUlyssesAttention(num_heads=attention.num_heads, axis=attention.axis)
+        ffn = RingAllGatherDispatch(layout.ffn.num_experts)
+        return dataclasses.replace(layout, attention=attention, ffn=ffn)
     if not plan.per_device or isinstance(layout.ffn, TensorParallelDispatch):
         raise ValueError(f"parallel.moe_layer='macro' writes out the per-device SP/TP-attention + EP-MoE block "
                          f"(plan={plan.kind}, ffn={plan.ffn}); use plan='manual' with ffn='ep', or moe_layer='autodiff'.")

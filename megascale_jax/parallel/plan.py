@@ -48,7 +48,8 @@ class MoELayer(StrEnum):
     """How the MoE block's communication meets its compute (parallel/overlap.py, parallel/ring_dispatch.py)."""
     AUTODIFF = "autodiff"   # JAX differentiates the block; XLA's scheduler places the collectives
     MACRO = "macro"         # forward and backward written out, each collective beside independent compute
-    FUSED = "fused"         # dispatch + first GEMM and last GEMM + combine as ring schedules (ring_dispatch.py)
+    FUSED = "fused"         # ring schedules: dispatch + first GEMM, last GEMM + combine (ring_dispatch.py) and the
+    #                         Ulysses all-to-alls inside the q/k/v and output projections (ring_attention.py)
 
 
 class EPDispatch(StrEnum):

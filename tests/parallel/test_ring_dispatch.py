@@ -26,6 +26,7 @@ def _run(moe_layer, **extra):
 def test_ring_schedule_equals_the_all_gather_dispatch(intra):
     trainer, (loss_r, metrics_r, grads_r) = _run("fused", **{"parallel.intra": intra})
     assert type(trainer.layout.ffn).__name__ == "RingAllGatherDispatch"
+    assert type(trainer.layout.attention).__name__ == "RingUlyssesAttention"   # the attention ring runs too
     _, (loss_a, metrics_a, grads_a) = _run("autodiff", **{"parallel.intra": intra})
     assert float(loss_r) == pytest.approx(float(loss_a), rel=1e-5)
     np.testing.assert_array_equal(metrics_r["tokens_per_expert"], metrics_a["tokens_per_expert"])
