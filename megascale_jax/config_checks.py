@@ -210,15 +210,11 @@ def _validate_moe_layer(cfg) -> None:
                f"ffn={p.ffn!r}, ep_dispatch={p.ep_dispatch!r}, intra={p.intra}).")
     if p.moe_layer != MoELayer.MACRO:
         return
-    m, e, t = cfg.model, cfg.model.moe, cfg.train
+    e, t = cfg.model.moe, cfg.train
     _check(p.plan == PlanKind.MANUAL, f"config.parallel.moe_layer='macro' needs the per-device step: set "
            f"config.parallel.plan='manual' (e.g. --config.plan_recipe=megascale), not {p.plan!r}.")
     _check(p.ffn == FFNPlan.EP or p.intra == 1, "config.parallel.moe_layer='macro' writes out expert "
            "parallelism (or the one-device sort); set config.parallel.ffn='ep' or moe_layer='autodiff'.")
-    for key, on in (("model.qkv_bias", m.qkv_bias), ("model.qk_norm", m.qk_norm),
-                    ("model.moe.shared_expert_gate", e.shared_expert_gate)):
-        _check(not on, f"config.{key}=True is not written out by the macro layer yet; set it False or "
-               "parallel.moe_layer='autodiff'.")
     _check(e.capacity_factor == 0 or p.overlap_chunks == 1, f"config.model.moe.capacity_factor="
            f"{e.capacity_factor} with parallel.overlap_chunks={p.overlap_chunks}: capacity would apply per chunk, "
            "not per device; use overlap_chunks=1 or dropless (capacity_factor=0).")

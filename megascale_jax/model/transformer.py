@@ -31,15 +31,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from jax.ad_checkpoint import checkpoint_name
 
-from megascale_jax.model.attention import ATTENTIONS, attention_core, project_out, project_qkv
+from megascale_jax.model.attention import ATTENTIONS, attention_core, project_out
 from megascale_jax.model.layers import (DenseMLP, Embedding, RMSNorm, cross_entropy, output_logits, param,
-                                        rms_norm, rope, swiglu_in, swiglu_out)
+                                        rms_norm, swiglu_in, swiglu_out)
 from megascale_jax.model.moe.experts import ExpertWeights, grouped_gemm_fn, grouped_gemm_grads
-from megascale_jax.model.moe.layer import MoEFFN
+from megascale_jax.model.moe.layer import MoEFFN, gate_shared_output
 from megascale_jax.model.moe.router import Routing, route, router_logits
 
 
@@ -116,36 +116,29 @@ class Block(nnx.Module):
         return x_BSD + y, stats
 
     def macro_weights(self) -> "MoEBlockWeights":
-        """This MoE block's parameters as arrays (gradients flow back through these reads)."""
-        unsupported = [key for key, on in (("model.qkv_bias", getattr(self.attn, "qkv_bias", False)),
-                                           ("model.qk_norm", getattr(self.attn, "qk_norm", False)),
-                                           ("model.moe.shared_expert_gate", getattr(self.ffn, "shared_gated", False)))
-                       if on]
-        if unsupported:
-            raise ValueError(f"parallel.moe_layer='macro' does not write out {', '.join(unsupported)} yet; set "
-                             "them off or use parallel.moe_layer='autodiff'.")
-        a, f = self.attn, self.ffn
+        """This MoE block's parameter arrays (gradients flow back through these reads)."""
+        f = self.ffn
         shared = None if f.shared is None else (f.shared.w_gate_DF[...], f.shared.w_up_DF[...], f.shared.w_down_FD[...])
-        return MoEBlockWeights(self.attn_norm.scale[...], a.wq_DHK[...], a.wk_DGK[...], a.wv_DGK[...], a.wo_HKD[...],
-                               self.ffn_norm.scale[...], f.router.w_DE[...], f.experts.weights(), shared)
+        return MoEBlockWeights(self.attn_norm.scale[...], self.attn._qkv_weights(), self.attn.wo_HKD[...],
+                               self.ffn_norm.scale[...], f.router.w_DE[...], f.experts.weights(), shared,
+                               f.shared_gate_D1[...] if f.shared_gated else None)
 
     def macro_math(self) -> "MoEBlockMath":
         r = self.ffn.router
-        return MoEBlockMath(self.attn_norm.eps, self.attn.rope_theta, self.attn.implementation, r.top_k,
-                            r.renormalize, r.group_size, self.ffn.grouped_gemm)
+        return MoEBlockMath(self.attn_norm.eps, self.attn.implementation, r.top_k, r.renormalize, r.group_size,
+                            self.ffn.grouped_gemm, self.attn._project_rope)
 
 
 class MoEBlockWeights(NamedTuple):
     """A MoE block's parameter arrays, in the layouts their modules hold them (param dtype)."""
     attn_norm_D: jax.Array
-    wq_DHK: jax.Array
-    wk_DGK: jax.Array
-    wv_DGK: jax.Array
+    qkv: dict                     # Attention._qkv_weights(): wq, wk, wv (+ q/k/v biases, q/k norm scales)
     wo_HKD: jax.Array
     ffn_norm_D: jax.Array
     router_DE: jax.Array
     experts: ExpertWeights
     shared: tuple | None          # (w_gate_DF, w_up_DF, w_down_FD) of the fused shared experts, or None
+    shared_gate_D1: jax.Array | None = None   # the shared experts' sigmoid gate (model.moe.shared_expert_gate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,20 +147,21 @@ class MoEBlockMath:
     Attention, Router, the experts), for a hand-written forward and backward (parallel/overlap.py). The macro
     layer's test compares the two paths, so a change to a module that is not mirrored here fails there."""
     norm_eps: float
-    rope_theta: float
     attention_impl: str
     top_k: int
     renormalize: bool
     balance_group_size: int
     grouped_gemm: str
+    # Attention._project_rope(positions, x, w): the module's own projections (+ biases, q/k norms) and RoPE on
+    # explicit weights; it reads only the module's static settings, no Variable.
+    project_rope: Callable = dataclasses.field(compare=False)
 
     def norm(self, x, scale):
         return rms_norm(x, scale, self.norm_eps)
 
-    def qkv(self, h_BSD, wq_DHK, wk_DGK, wv_DGK, positions_BS):
-        """Attention's projections and RoPE (before any communication)."""
-        q, k, v = project_qkv(h_BSD, wq_DHK, wk_DGK, wv_DGK)
-        return rope(q, positions_BS, self.rope_theta), rope(k, positions_BS, self.rope_theta), v
+    def qkv(self, h_BSD, w_qkv, positions_BS):
+        """Attention's projections and RoPE (before any communication); `w_qkv`: MoEBlockWeights.qkv."""
+        return self.project_rope(positions_BS, h_BSD, w_qkv)
 
     def core(self, q, k, v):
         return attention_core(q, k, v, self.attention_impl)
@@ -197,6 +191,10 @@ class MoEBlockMath:
 
     def dense_out(self, gate, up, w_down_FD):
         return swiglu_out(gate, up, w_down_FD)
+
+    def shared_gate(self, h_TD, w_gate_D1, y_TD):
+        """The shared experts' output scaled per token by sigmoid(h . w_gate) (model/moe/layer.py)."""
+        return gate_shared_output(h_TD, w_gate_D1, y_TD)
 
 
 def _stacked_blocks(cfg, count: int, moe: bool, param_dtype, kernels: Kernels, rngs: nnx.Rngs):

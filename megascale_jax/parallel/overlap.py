@@ -16,9 +16,12 @@ wants (or what a jax.checkpoint policy selects by name). Here each phase is expl
       none       keep every phase's pullback (what autodiff keeps);
       selective  keep the block input x, q/k/v before the Ulysses all-to-all, the attention core's output,
                  the residual stream after attention, and the expert gate / up GEMM outputs: the GEMM and
-                 attention outputs, (2kf + 4 + 2/m) bsh/n elements. Recompute the norms, the routing and
-                 the SwiGLU activation; re-communicate the all-to-all outputs (q/k/v to heads, the core
-                 output back, the tokens to their experts);
+                 attention outputs, (2kf + 4 + 2/m) bsh/n elements (plus the shared experts' gate / up, and
+                 with the shared-expert gate their output before it). Recompute the norms, the routing, the
+                 SwiGLU activation, the q/k/v biases, the q/k norms (whose inputs, the q / k GEMM outputs,
+                 are then recomputed too, as autodiff's 'selective' does) and the gate's sigmoid;
+                 re-communicate the all-to-all outputs (q/k/v to heads, the core output back, the tokens to
+                 their experts);
       full       keep x only and run the forward again in the backward.
 Which independent work XLA actually places under each collective is the latency-hiding scheduler's choice
 (launch/env.sh turns it on); tests/parallel/test_overlap_schedule.py reads it from the compiled HLO
@@ -70,6 +73,7 @@ class Pullbacks(NamedTuple):
     chunks: tuple
     shared_in: Any
     shared_out: Any
+    shared_gate: Any
 
 
 class Selected(NamedTuple):
@@ -81,6 +85,7 @@ class Selected(NamedTuple):
     x2: jax.Array
     chunks: tuple               # ExpertChunk with x_MD None
     shared_gate_up: Any
+    shared_out: Any             # the shared experts' output before the gate (gated only: the gate's pullback)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +161,7 @@ def _forward(cfg: MacroBlock, math, x_BSD, w, keep):
         a_in, p_ain = _pull(every, comm.attention_input, h1)
         positions = comm.positions(a_in)
         qkv = functools.partial(_qkv, math, positions)
-        (q, k, v), p_qkv = _pull(every, qkv, a_in, w.wq_DHK, w.wk_DGK, w.wv_DGK)
+        (q, k, v), p_qkv = _pull(every, qkv, a_in, w.qkv)
         (qh, kh, vh), p_heads_in = _pull(every, comm.heads_in, q, k, v)
         core_out, p_core = _pull(every, math.core, qh, kh, vh)
         o, p_heads_out = _pull(every, comm.heads_out, core_out)
@@ -169,25 +174,29 @@ def _forward(cfg: MacroBlock, math, x_BSD, w, keep):
         route = functools.partial(_route, math, cfg.reductions.token_mean)
         (weight_TK, aux, z), p_route, idx_TK = _pull(every, route, h2_TD, w.router_DE, has_aux=True)
         y_TD, chunks, stats = _experts_forward(cfg, math, w, h2_TD, idx_TK, weight_TK, keep_all=every)
-        shared = (None, None, None)
+        shared = (None,) * 5
         if w.shared is not None:
             with jax.named_scope("shared_experts"):
                 gate_up, p_shared_in = _pull(every, math.dense_in, h2_TD, *w.shared[:2])
                 y_shared, p_shared_out = _pull(every, math.dense_out, *gate_up, w.shared[2])
+                ungated = p_shared_gate = None
+                if w.shared_gate_D1 is not None:   # Qwen2-MoE: sigmoid(h . w_gate) per token
+                    ungated = y_shared
+                    y_shared, p_shared_gate = _pull(every, math.shared_gate, h2_TD, w.shared_gate_D1, ungated)
                 y_TD = y_TD + y_shared
-                shared = (gate_up, p_shared_in, p_shared_out)
+                shared = (gate_up, p_shared_in, p_shared_out, p_shared_gate, ungated)
         out = x2 + y_TD.reshape(x2.shape)
     outs = (out, aux, z) + stats
     if keep is None or keep == "full":
         return outs, None
     if keep == "none":
         return outs, Pullbacks(p_norm1, p_ain, p_qkv, p_heads_in, p_core, p_heads_out, p_out_proj, p_proj_out,
-                               p_norm2, p_route, weight_TK, chunks, shared[1], shared[2])
-    return outs, Selected(q, k, v, core_out, x2, chunks, shared[0])
+                               p_norm2, p_route, weight_TK, chunks, *shared[1:4])
+    return outs, Selected(q, k, v, core_out, x2, chunks, shared[0], shared[4])
 
 
-def _qkv(math, positions, h, wq, wk, wv):
-    return math.qkv(h, wq, wk, wv, positions)
+def _qkv(math, positions, h, w_qkv):
+    return math.qkv(h, w_qkv, positions)
 
 
 def _route(math, token_mean, h_TD, w_DE):
@@ -251,7 +260,7 @@ def _pullbacks(cfg: MacroBlock, math, x_BSD, w, saved) -> Pullbacks:
     h1, p_norm1 = jax.vjp(math.norm, x_BSD, w.attn_norm_D)
     a_in, p_ain = jax.vjp(comm.attention_input, h1)
     qkv = functools.partial(_qkv, math, comm.positions(a_in))
-    _, p_qkv = jax.vjp(qkv, a_in, w.wq_DHK, w.wk_DGK, w.wv_DGK)
+    _, p_qkv = jax.vjp(qkv, a_in, w.qkv)
     (qh, kh, vh), p_heads_in = jax.vjp(comm.heads_in, s.q, s.k, s.v)       # re-communicated
     _, p_core = jax.vjp(math.core, qh, kh, vh)                               # the core's own recomputation
     o, p_heads_out = jax.vjp(comm.heads_out, s.core_out)                      # re-communicated
@@ -263,12 +272,14 @@ def _pullbacks(cfg: MacroBlock, math, x_BSD, w, saved) -> Pullbacks:
     (weight_TK, _, _), p_route, _ = jax.vjp(route, h2_TD, w.router_DE, has_aux=True)
     chunks = tuple(ch._replace(x_MD=cfg.ffn.send(h_TD, ch.plan))                # re-communicated
                    for ch, h_TD in zip(s.chunks, _chunks_of(h2_TD, cfg.chunks)))
-    p_shared_in = p_shared_out = None
+    p_shared_in = p_shared_out = p_shared_gate = None
     if w.shared is not None:
         _, p_shared_in = jax.vjp(math.dense_in, h2_TD, *w.shared[:2])
         _, p_shared_out = jax.vjp(math.dense_out, *s.shared_gate_up, w.shared[2])
+        if w.shared_gate_D1 is not None:   # the sigmoid recomputed; the kept output spares the down GEMM
+            _, p_shared_gate = jax.vjp(math.shared_gate, h2_TD, w.shared_gate_D1, s.shared_out)
     return Pullbacks(p_norm1, p_ain, p_qkv, p_heads_in, p_core, p_heads_out, p_out_proj, p_proj_out, p_norm2,
-                     p_route, weight_TK, chunks, p_shared_in, p_shared_out)
+                     p_route, weight_TK, chunks, p_shared_in, p_shared_out, p_shared_gate)
 
 
 # --------------------------------------------------------------------------------------------------- backward
@@ -281,10 +292,14 @@ def _backward(cfg: MacroBlock, math, w, pulls: Pullbacks, d_out, d_aux, d_z):
     with jax.named_scope("macro_bwd/router"):
         d_h2_route, d_router = pulls.route((d_weight_TK, d_aux, d_z))
         d_h2_TD = d_h2_TD + d_h2_route.astype(d_h2_TD.dtype)
-    d_shared = None
+    d_shared = d_gate_D1 = None
     if w.shared is not None:
         with jax.named_scope("macro_bwd/shared_experts"):
-            d_gate, d_up, d_shared_down = pulls.shared_out(dy_TD)
+            d_y_shared = dy_TD
+            if pulls.shared_gate is not None:
+                d_h2_gate, d_gate_D1, d_y_shared = pulls.shared_gate(dy_TD)
+                d_h2_TD = d_h2_TD + d_h2_gate
+            d_gate, d_up, d_shared_down = pulls.shared_out(d_y_shared)
             d_h2_shared, d_shared_gate, d_shared_up = pulls.shared_in((d_gate, d_up))
             d_h2_TD = d_h2_TD + d_h2_shared
             d_shared = (d_shared_gate, d_shared_up, d_shared_down)
@@ -296,10 +311,10 @@ def _backward(cfg: MacroBlock, math, w, pulls: Pullbacks, d_out, d_aux, d_z):
         (d_core,) = pulls.heads_out(do)
         dq, dk, dv = pulls.core(d_core)
         dq, dk, dv = pulls.heads_in((dq, dk, dv))
-        d_ain, d_wq, d_wk, d_wv = pulls.qkv((dq, dk, dv))
+        d_ain, d_qkv = pulls.qkv((dq, dk, dv))
         (dh1,) = pulls.attention_input(d_ain)
         dx_attn, d_attn_norm = pulls.norm1(dh1)
-    grads = type(w)(d_attn_norm, d_wq, d_wk, d_wv, d_wo, d_ffn_norm, d_router, d_experts, d_shared)
+    grads = type(w)(d_attn_norm, d_qkv, d_wo, d_ffn_norm, d_router, d_experts, d_shared, d_gate_D1)
     grads = jax.tree.map(lambda g, p: match_varying(g.astype(p.dtype), p, g), grads, w)
     return dx2 + dx_attn, grads
 

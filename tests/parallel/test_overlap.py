@@ -1,6 +1,8 @@
 """The macro layer (parallel/overlap.py) == the autodiff block: outputs, stats and gradients, on 8 simulated
-devices, for each dispatch mode, SP / TP / no attention communication, every remat setting and chunk count."""
+devices, for each dispatch mode, SP / TP / no attention communication, every remat setting and chunk count, and
+the Qwen options (q/k/v biases, q/k norms, the shared-expert gate)."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +32,7 @@ def _block_grads(moe_layer, *, attention="sp", dispatch="all_to_all", remat="non
     mesh = plan.make_mesh(jax.devices())
     layout = make_layout(plan, num_heads=cfg.model.num_heads, num_experts=cfg.model.moe.num_experts,
                          moe_layer=moe_layer, remat=remat, overlap_chunks=chunks)
-    block = Block(cfg.model, True, jnp.float32, Kernels(), nnx.Rngs(3))
+    block = _with_nonzero_extras(Block(cfg.model, True, jnp.float32, Kernels(), nnx.Rngs(3)))
     graphdef, params = nnx.split(block)
     param_specs = jax.tree.map(lambda s: plan.param_spec(tuple(s)), nnx.get_partition_spec(params),
                                is_leaf=lambda x: isinstance(x, P))
@@ -58,6 +60,17 @@ def _block_grads(moe_layer, *, attention="sp", dispatch="all_to_all", remat="non
     x = jax.device_put(x, NamedSharding(mesh, x_spec))
     (total, (y, stats)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
     return jax.device_get((total, y, stats, grads))
+
+
+def _with_nonzero_extras(block):
+    """Biases start at zero and q/k norm scales at one; move them off, so the forward really reads them."""
+    a, key = block.attn, jax.random.key(4)
+    extras = [getattr(a, name) for name in ("q_bias_HK", "k_bias_GK", "v_bias_GK") if a.qkv_bias]
+    extras += [a.q_norm.scale, a.k_norm.scale] if a.qk_norm else []
+    for i, variable in enumerate(extras):
+        noise = 0.5 * jax.random.normal(jax.random.fold_in(key, i), variable.shape, jnp.float32)
+        variable[...] = (variable[...] + noise).astype(variable.dtype)
+    return block
 
 
 def _assert_close(got, want, rtol):
@@ -90,6 +103,26 @@ def test_macro_block_equals_autodiff_block(attention, dispatch, remat, chunks, i
     kwargs = dict(attention=attention, dispatch=dispatch, intra=intra)
     want = _block_grads("autodiff", **kwargs)
     got = _block_grads("macro", remat=remat, chunks=chunks, **kwargs)
+    _assert_close(got, want, rtol=2e-5)
+
+
+QWEN = {"model.qkv_bias": True, "model.qk_norm": True, "model.moe.shared_expert_gate": True}   # SMALL: 1 shared
+
+
+@functools.cache
+def _qwen_autodiff():
+    return _block_grads("autodiff", cfg_overrides=QWEN)   # once for the three remat settings
+
+
+@pytest.mark.parametrize("remat,chunks", [("none", 1), ("selective", 2), ("full", 1)])
+def test_macro_block_with_biases_qk_norm_and_shared_gate_equals_autodiff(remat, chunks):
+    """Qwen2-MoE's q/k/v biases and sigmoid shared-expert gate, Qwen3-MoE's q/k norms, at once (SP, intra 4,
+    all_to_all): the extra weights are in the gradients, nonzero (_assert_close) and equal."""
+    want = _qwen_autodiff()
+    got = _block_grads("macro", remat=remat, chunks=chunks, cfg_overrides=QWEN)
+    names = {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(got[3][0])}
+    for extra in ("q_bias_HK", "k_bias_GK", "v_bias_GK", "q_norm", "k_norm", "shared_gate_D1"):
+        assert any(extra in name for name in names), (extra, names)
     _assert_close(got, want, rtol=2e-5)
 
 
@@ -127,8 +160,6 @@ def _config(**overrides):
 @pytest.mark.parametrize("overrides,key", [
     ({"parallel.ffn": "tp"}, "parallel.ffn"),
     ({"parallel.plan": "xla"}, "parallel.plan"),
-    ({"model.qk_norm": True}, "model.qk_norm"),
-    ({"model.qkv_bias": True}, "model.qkv_bias"),
     ({"model.moe.capacity_factor": 1.0, "parallel.overlap_chunks": 2}, "overlap_chunks"),
     ({"parallel.overlap_chunks": 3}, "overlap_chunks"),
     ({"parallel.moe_layer": "autodiff", "parallel.overlap_chunks": 2}, "overlap_chunks"),
@@ -136,6 +167,12 @@ def _config(**overrides):
 def test_unsupported_macro_settings_are_config_errors_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
         _config(**overrides)
+
+
+def test_macro_layer_accepts_the_qwen_families():
+    for name in ("qwen2_moe_a2_7b", "qwen3_30b_a3b"):
+        cfg = default_config(name, num_devices=8, **{"parallel.moe_layer": "macro", "parallel.plan": "manual"})
+        assert cfg.parallel.moe_layer == "macro" and (cfg.model.qkv_bias or cfg.model.qk_norm)
 
 
 def test_macro_model_trains_like_the_autodiff_model():

@@ -65,8 +65,14 @@ class MoEFFN(nnx.Module):
         y_TD = self.shared(x_TD)
         if not self.shared_gated:
             return y_TD
-        logit_T1 = jnp.dot(x_TD, self.shared_gate_D1[...].astype(x_TD.dtype), preferred_element_type=jnp.float32)
-        return (jax.nn.sigmoid(logit_T1) * y_TD.astype(jnp.float32)).astype(y_TD.dtype)
+        return gate_shared_output(x_TD, self.shared_gate_D1[...], y_TD)
+
+
+def gate_shared_output(x_TD, w_gate_D1, y_TD):
+    """Qwen2-MoE's shared-expert gate: y scaled per token by sigmoid(x . w_gate), the logit and the product in
+    fp32, the output in y's dtype (also the macro layer's, model/transformer.py MoEBlockMath)."""
+    logit_T1 = jnp.dot(x_TD, w_gate_D1.astype(x_TD.dtype), preferred_element_type=jnp.float32)
+    return (jax.nn.sigmoid(logit_T1) * y_TD.astype(jnp.float32)).astype(y_TD.dtype)
 
 
 def _first_gemm(x_MD, group_sizes, *, weights, gemm):
