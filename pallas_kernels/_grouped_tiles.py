@@ -6,7 +6,7 @@ of copying them, and `grouped_gemm.py` keeps the kernel bodies, launch, validati
                   shape (`default_tuning`; `default_kernel_tuning` for one kernel called on its own);
                   `fit_smem` (pipeline depth vs SMEM), `fit_ragged_tiling` (the forward / dgrad tiles as run).
   * Checks:       `check_tiling` (a hand-made tuning fits the shape), `check_dtypes`, `check_group_sizes`,
-                  `check_zero_tail`: what every entry point's validation shares, with the same messages.
+                  `check_tuning_enums`: what every entry point's validation shares, with the same messages.
   * Work tables:  `group_bounds`, `prefix_sum`, `row_tile_table` (forward, input gradient),
                   `token_block_table` (weight gradient): plain jnp computed on device before a launch, read
                   by the persistent loop.
@@ -193,7 +193,7 @@ def check_dtypes(a_name, a, b_name, b, preferred_element_type):
     return out_dtype
 
 
-def check_zero_tail(tuning):
+def check_tuning_enums(tuning):
     """The tuning's enums (zero_tail, tables)."""
     if tuning.zero_tail not in ("kernel", "mask"):
         raise ValueError(f"tuning.zero_tail must be 'kernel' or 'mask', got {tuning.zero_tail!r}")
@@ -229,7 +229,13 @@ def _fused_group_bounds(group_sizes_G, m):
 TABLE_METHODS = ("scan", "fused")
 
 
-def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True, method: str = "scan"):
+def _table_method(method: str) -> str:
+    if method not in TABLE_METHODS:
+        raise ValueError(f"work table method must be one of {TABLE_METHODS}, got {method!r}")
+    return method
+
+
+def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True, method: str = "fused"):
     """int32 [4, S]: for each (segment, row tile) work slot its segment, tile index, first row inside the
     tile and row count; and int32 [2], the numbers of compute slots and of zero-tail slots after them.
     Segment G is the tail past sum(group_sizes): it is stored as zeros. S = cdiv(m, tile) + G bounds the slot count (each boundary
@@ -239,7 +245,7 @@ def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True, met
     method is a while loop of log2(G + 2) steps), 'fused' (the prefix sums and the slot -> segment search as
     masked sums over [G, G] and [S, G + 1] squares: elementwise + reduce, which XLA fuses into a few kernels)."""
     num_groups = group_sizes_G.shape[0]
-    fused = method == "fused"
+    fused = _table_method(method) == "fused"
     starts, ends = (_fused_group_bounds if fused else group_bounds)(group_sizes_G, m)
     starts = jnp.concatenate([starts, ends[-1:]])
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
@@ -263,10 +269,10 @@ def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True, met
     return table, counts.astype(jnp.int32)
 
 
-def token_block_table(group_sizes_G, m: int, tile: int, method: str = "scan"):
+def token_block_table(group_sizes_G, m: int, tile: int, method: str = "fused"):
     """int32 [4, G]: each group's first token block, block count (at least 1, so an empty group still
     writes its zeros), and [start, end) rows — the rows outside are masked in the first/last block."""
-    starts, ends = (_fused_group_bounds if method == "fused" else group_bounds)(group_sizes_G, m)
+    starts, ends = (_fused_group_bounds if _table_method(method) == "fused" else group_bounds)(group_sizes_G, m)
     first = starts // tile
     n_blocks = jnp.maximum(pl.cdiv(ends, tile) - first, 1)
     return jnp.stack([first, n_blocks, starts, ends]).astype(jnp.int32)

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedGemmTuning, check_dtypes,
-                                           check_group_sizes, check_tiling, check_zero_tail,
+                                           check_group_sizes, check_tiling, check_tuning_enums,
                                            default_kernel_tuning, default_tuning, epilogue_smem, fit_ragged_tiling,
                                            fit_smem, mask_token_rows, row_tile_table, store_rows,
                                            swizzle_transforms, token_block_table)
@@ -269,7 +269,7 @@ def _validate(x_MK, w_GKN, group_sizes_G, preferred_element_type, tuning):
     check_tiling("fwd", fwd, [("N", n, fwd.cta_n), ("K", k, fwd.tile_k)], "forward")
     check_tiling("dgrad", dgrad, [("K", k, dgrad.cta_n), ("N", n, dgrad.tile_k)], "input gradient")
     check_tiling("wgrad", wgrad, [("K", k, wgrad.cta_m), ("N", n, wgrad.cta_n)], "weight gradient")
-    check_zero_tail(tuning)
+    check_tuning_enums(tuning)
     return out_dtype, tuning
 
 
@@ -284,7 +284,7 @@ def _validate_dgrad(dy_MN, w_GKN, group_sizes_G, preferred_element_type, tuning)
     tuning = tuning or default_kernel_tuning("dgrad", k, n)
     check_tiling("dgrad", tuning.dgrad, [("K", k, tuning.dgrad.cta_n), ("N", n, tuning.dgrad.tile_k)],
                  "input gradient")
-    check_zero_tail(tuning)
+    check_tuning_enums(tuning)
     return out_dtype, tuning
 
 
@@ -300,7 +300,7 @@ def _validate_wgrad(x_MK, dy_MN, group_sizes_G, preferred_element_type, tuning):
     tuning = tuning or default_kernel_tuning("wgrad", k, n)
     check_tiling("wgrad", tuning.wgrad, [("K", k, tuning.wgrad.cta_m), ("N", n, tuning.wgrad.cta_n)],
                  "weight gradient")
-    check_zero_tail(tuning)
+    check_tuning_enums(tuning)
     return out_dtype, tuning
 
 

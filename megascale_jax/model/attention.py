@@ -74,7 +74,7 @@ class Attention(nnx.Module):
         self.qkv_bias, self.qk_norm = m.qkv_bias, m.qk_norm
         self.rope_theta, self.implementation = m.rope_theta, implementation
 
-    def _qkv_weights(self) -> dict:
+    def qkv_weights(self) -> dict:
         """The arrays the q/k/v projections read, handed over explicitly: a strategy that projects per slice of
         heads (parallel/ring_attention.py) uses them n times and retypes them once for shard_map, so that their
         gradients are summed locally and reduced over the mesh once."""
@@ -87,7 +87,7 @@ class Attention(nnx.Module):
 
     def _project(self, x_BSD, w, q_heads=None, kv_heads=None):
         """q, k, v in the compute dtype: projections (+ biases), per-head RMSNorm of q and k (RoPE follows).
-        `w`: `_qkv_weights()`; `q_heads` / `kv_heads`: int arrays of the heads to compute (None: all)."""
+        `w`: `qkv_weights()`; `q_heads` / `kv_heads`: int arrays of the heads to compute (None: all)."""
         pick = lambda a, heads, axis: a if heads is None else jnp.take(a, heads, axis=axis)  # noqa: E731
         q, k, v = project_qkv(x_BSD, pick(w["wq"], q_heads, 1), pick(w["wk"], kv_heads, 1), pick(w["wv"], kv_heads, 1))
         if self.qkv_bias:
@@ -98,7 +98,7 @@ class Attention(nnx.Module):
             q, k = rms_norm(q, w["q_norm"], self.q_norm.eps), rms_norm(k, w["k_norm"], self.k_norm.eps)
         return q, k, v
 
-    def _project_rope(self, positions_BS, x_BSD, w, q_heads=None, kv_heads=None):
+    def project_rope(self, positions_BS, x_BSD, w, q_heads=None, kv_heads=None):
         """`_project`, then RoPE at the rows' global positions; the tensors the remat policies call 'qkv'."""
         q, k, v = self._project(x_BSD, w, q_heads, kv_heads)
         q, k = rope(q, positions_BS, self.rope_theta), rope(k, positions_BS, self.rope_theta)
@@ -109,8 +109,8 @@ class Attention(nnx.Module):
         core and may own the projection GEMMs (tiled by rank, as a fused GEMM+A2A / A2A+GEMM does), so it gets
         them as pure functions of explicit weights; unfused it calls each once on all heads."""
         x_BSD = comm.attention_input(x_BSD)
-        project = functools.partial(self._project_rope, comm.positions(x_BSD))
-        q, k, v = comm.project_heads_in(x_BSD, project, self._qkv_weights())
+        project = functools.partial(self.project_rope, comm.positions(x_BSD))
+        q, k, v = comm.project_heads_in(x_BSD, project, self.qkv_weights())
         out = attention_core(q, k, v, self.implementation)
         return comm.project_heads_out(out, project_out_heads, self.wo_HKD[...])
 

@@ -54,7 +54,7 @@ CUDNN_ATTENTION_FWD = "dot_product_attention_fwd"   # jax's cuDNN flash-attentio
 
 def _saves_cudnn_attention_forward(prim, *_, **__) -> bool:
     """Keep every output of the cuDNN attention forward: the output (already kept as attn_core) and its softmax
-    statistics ([B, H, S] fp32, 1/(2*head_dim) of the output's bytes). Naming the output alone leaves the
+    statistics ([B, H, S] fp32, 2/head_dim of the bf16 output's bytes). Naming the output alone leaves the
     statistics unnamed, and the backward then reruns the whole attention forward to get them back (profile of
     mixtral_small 16 x 4096, attention ms per step: none 37.5, selective 46.9 before, 39.4 with this (none 38.5 in
     that run): benchmarks/results/train_remat_1xh200.json)."""
@@ -119,20 +119,20 @@ class Block(nnx.Module):
         """This MoE block's parameter arrays (gradients flow back through these reads)."""
         f = self.ffn
         shared = None if f.shared is None else (f.shared.w_gate_DF[...], f.shared.w_up_DF[...], f.shared.w_down_FD[...])
-        return MoEBlockWeights(self.attn_norm.scale[...], self.attn._qkv_weights(), self.attn.wo_HKD[...],
+        return MoEBlockWeights(self.attn_norm.scale[...], self.attn.qkv_weights(), self.attn.wo_HKD[...],
                                self.ffn_norm.scale[...], f.router.w_DE[...], f.experts.weights(), shared,
                                f.shared_gate_D1[...] if f.shared_gated else None)
 
     def macro_math(self) -> "MoEBlockMath":
         r = self.ffn.router
         return MoEBlockMath(self.attn_norm.eps, self.attn.implementation, r.top_k, r.renormalize, r.group_size,
-                            self.ffn.grouped_gemm, self.attn._project_rope)
+                            self.ffn.grouped_gemm, self.attn.project_rope)
 
 
 class MoEBlockWeights(NamedTuple):
     """A MoE block's parameter arrays, in the layouts their modules hold them (param dtype)."""
     attn_norm_D: jax.Array
-    qkv: dict                     # Attention._qkv_weights(): wq, wk, wv (+ q/k/v biases, q/k norm scales)
+    qkv: dict                     # Attention.qkv_weights(): wq, wk, wv (+ q/k/v biases, q/k norm scales)
     wo_HKD: jax.Array
     ffn_norm_D: jax.Array
     router_DE: jax.Array
@@ -152,7 +152,7 @@ class MoEBlockMath:
     renormalize: bool
     balance_group_size: int
     grouped_gemm: str
-    # Attention._project_rope(positions, x, w): the module's own projections (+ biases, q/k norms) and RoPE on
+    # Attention.project_rope(positions, x, w): the module's own projections (+ biases, q/k norms) and RoPE on
     # explicit weights; it reads only the module's static settings, no Variable.
     project_rope: Callable = dataclasses.field(compare=False)
 

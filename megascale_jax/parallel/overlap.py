@@ -9,7 +9,9 @@ wants (or what a jax.checkpoint policy selects by name). Here each phase is expl
     rematerialised activations (norms, routing, the re-sent tokens) depend only on kept values, so they can
     run under the backward's other collectives;
   * the forward's token exchange is split into `chunks` pieces along the tokens, each with its own plan:
-    chunk i+1's dispatch depends only on the routing, not on chunk i's GEMMs, so it can move meanwhile;
+    chunk i+1's dispatch does not depend on chunk i's GEMMs, so it can move meanwhile (barriers pin that
+    order, since XLA's scheduler did not choose it: chunk i+1 is sent once chunk i's rows have arrived, and
+    chunk i is combined once chunk i+1's have);
   * the routing weights' gradient comes from the down GEMM's input gradient, <dy W_down^T, act> per row
     (equal to <dy, y> by linearity), so no expert output is kept for it;
   * remat is explicit (`train.remat`), per the paper's selective activation rematerialisation:
@@ -152,8 +154,11 @@ def _chunks_of(x, count: int):
 
 
 # --------------------------------------------------------------------------------------------------- forward
-def _forward(cfg: MacroBlock, math, x_BSD, w, keep):
-    """((out, aux, z, tokens_per_expert, dropped), saved): `saved` per `keep` (None: the primal alone)."""
+def _forward(cfg: MacroBlock, math, x_BSD, w, keep, pin: bool = True):
+    """((out, aux, z, tokens_per_expert, dropped), saved): `saved` per `keep` (None: the primal alone).
+    pin=False leaves out the chunk pipeline's barriers: for the backward's recomputation (remat 'full'), where
+    a barrier would keep the otherwise dead expert outputs of all but the last chunk alive (XLA does not
+    remove an optimization_barrier's unused outputs before scheduling)."""
     every = keep == "none"
     comm = cfg.attention
     with jax.named_scope("attention"):
@@ -173,7 +178,7 @@ def _forward(cfg: MacroBlock, math, x_BSD, w, keep):
         h2_TD = h2.reshape(-1, h2.shape[-1])
         route = functools.partial(_route, math, cfg.reductions.token_mean)
         (weight_TK, aux, z), p_route, idx_TK = _pull(every, route, h2_TD, w.router_DE, has_aux=True)
-        y_TD, chunks, stats = _experts_forward(cfg, math, w, h2_TD, idx_TK, weight_TK, keep_all=every)
+        y_TD, chunks, stats = _experts_forward(cfg, math, w, h2_TD, idx_TK, weight_TK, keep_all=every, pin=pin)
         shared = (None,) * 5
         if w.shared is not None:
             with jax.named_scope("shared_experts"):
@@ -205,10 +210,10 @@ def _route(math, token_mean, h_TD, w_DE):
     return (r.weight_TK, r.aux_loss, r.z_loss), r.idx_TK
 
 
-def _experts_forward(cfg: MacroBlock, math, w, h2_TD, idx_TK, weight_TK, *, keep_all: bool):
-    """Dispatch -> gate / up / activation / down -> combine, in `cfg.chunks` independent pieces along the
-    tokens: each piece's dispatch waits only for the routing, so it can move while the previous piece's
-    GEMMs run. Returns (y_TD, per-chunk ExpertChunk, (tokens_per_expert, dropped_tokens))."""
+def _experts_forward(cfg: MacroBlock, math, w, h2_TD, idx_TK, weight_TK, *, keep_all: bool, pin: bool = True):
+    """Dispatch -> gate / up / activation / down -> combine, in `cfg.chunks` pieces along the tokens: each
+    piece's dispatch waits for the routing and (pin) for the previous piece's rows, so it moves while the
+    previous piece's GEMMs run. Returns (y_TD, per-chunk ExpertChunk, (tokens_per_expert, dropped_tokens))."""
     ffn, e = cfg.ffn, w.experts
     pieces = zip(_chunks_of(h2_TD, cfg.chunks), _chunks_of(idx_TK, cfg.chunks), _chunks_of(weight_TK, cfg.chunks))
     ys, chunks, tokens_per_expert, dropped = [], [], 0, 0
@@ -221,7 +226,7 @@ def _experts_forward(cfg: MacroBlock, math, w, h2_TD, idx_TK, weight_TK, *, keep
     for c, (h_TD, idx, weight) in enumerate(pieces):
         with jax.named_scope(f"chunk{c}/dispatch"):
             plan = ffn.plan(idx)
-            if pending is not None:
+            if pin and pending is not None:
                 # Pin the pipeline, which XLA would otherwise not keep (seen in the GPU schedule: chunk 1's
                 # exchange issued first with nothing under it; the all_gather dispatch's chunks merged into one
                 # collective): this send starts once the previous chunk's rows have arrived ...
@@ -229,8 +234,10 @@ def _experts_forward(cfg: MacroBlock, math, w, h2_TD, idx_TK, weight_TK, *, keep
             x_MD = ffn.send(h_TD, plan)
         if pending is not None:
             # ... and must land before the previous chunk's combine: that chunk's GEMMs run meanwhile.
-            with jax.named_scope(f"chunk{c}/pipeline_order"):
-                y_prev, x_MD = lax.optimization_barrier((pending[1], x_MD))
+            y_prev = pending[1]
+            if pin:
+                with jax.named_scope(f"chunk{c}/pipeline_order"):
+                    y_prev, x_MD = lax.optimization_barrier((y_prev, x_MD))
             combine(pending[0], y_prev, *pending[2:4])
         with jax.named_scope(f"chunk{c}/experts"):
             gate = math.expert_gemm(x_MD, e.gate_EDF, plan.group_sizes)
@@ -254,7 +261,7 @@ def _pullbacks(cfg: MacroBlock, math, x_BSD, w, saved) -> Pullbacks:
     if cfg.remat == "none":
         return saved
     if cfg.remat == "full":
-        return _forward(cfg, math, x_BSD, w, keep="none")[1]
+        return _forward(cfg, math, x_BSD, w, keep="none", pin=False)[1]
     s: Selected = saved
     comm = cfg.attention
     h1, p_norm1 = jax.vjp(math.norm, x_BSD, w.attn_norm_D)

@@ -170,9 +170,13 @@ def test_unsupported_macro_settings_are_config_errors_naming_the_key(overrides, 
 
 
 def test_macro_layer_accepts_the_qwen_families():
-    for name in ("qwen2_moe_a2_7b", "qwen3_30b_a3b"):
-        cfg = default_config(name, num_devices=8, **{"parallel.moe_layer": "macro", "parallel.plan": "manual"})
-        assert cfg.parallel.moe_layer == "macro" and (cfg.model.qkv_bias or cfg.model.qk_norm)
+    """The published Qwen configs build with the macro layer (they were ConfigErrors): Qwen2-MoE with q/k/v
+    biases and the gated shared expert, Qwen3-MoE with q/k norms."""
+    macro = {"parallel.moe_layer": "macro", "parallel.plan": "manual"}
+    qwen2 = default_config("qwen2_moe_a2_7b", num_devices=8, **macro)
+    qwen3 = default_config("qwen3_30b_a3b", num_devices=8, **macro)
+    assert qwen2.parallel.moe_layer == qwen3.parallel.moe_layer == "macro"
+    assert qwen2.model.qkv_bias and qwen2.model.moe.shared_expert_gate and qwen3.model.qk_norm
 
 
 def test_macro_model_trains_like_the_autodiff_model():
