@@ -21,7 +21,8 @@ together with the MoE ring (parallel/ring_dispatch.py).
 Bytes on the wire are exactly the unfused all-to-alls': per rank (n-1) B (S/n) (Hq/n + 2 slots) K for q/k/v and
 (n-1) B (S/n) (Hq/n) K for the output, in the compute dtype (measured in the compiled HLO). Nothing is summed
 on the wire (the sends move whole tiles), so bf16 there rounds nothing; the sums are local and in fp32: the
-output projection's partials (its GEMMs write fp32, as a fused kernel's accumulator), and in the backward the
+output projection's partials (its GEMMs write fp32, as a fused kernel's accumulator; their backward GEMMs keep
+bf16 operands, `_fp32_partial`), and in the backward the
 n per-step cotangents of the block input x. A ring of partial output sums (GEMM+RS) would instead send all of D
 per token per hop: n x the elements, in fp32. The kv slots of GQA with G < n are recomputed for each
 destination that needs them (n x slots kv heads in place of G; the unfused path sends the same slots).
@@ -88,6 +89,29 @@ def project_heads_to_seq(o_BSHK, project_out: ProjectOutFn, wo: Any, *, axis):
         piece = lax.dynamic_index_in_dim(o_BNCHK, (rank + j) % n, axis=1, keepdims=False)  # for rank r + j
         if j:
             piece = collectives.ring_pass(piece, axis, shift=j)   # now rank r - j's heads, my chunk
-        part = project_out(piece, wo, ((rank - j) % n) * per_rank + jnp.arange(per_rank), jnp.float32)
+        part = _fp32_partial(project_out, piece, wo, ((rank - j) % n) * per_rank + jnp.arange(per_rank))
         acc_BSD = part if acc_BSD is None else acc_BSD + part
     return acc_BSD.astype(o_BSHK.dtype)
+
+
+def _fp32_partial(project_out: ProjectOutFn, piece, wo, heads):
+    """`project_out(piece, wo, heads)` with an fp32 output (a partial of the fp32 accumulator), whose backward
+    first casts the cotangent back to piece's dtype: that cotangent is the output's (one compute-dtype tensor,
+    cast up by the final cast's transpose), so nothing is lost, and the dgrad / wgrad GEMMs keep
+    compute-dtype operands (left fp32, the GPU would run them as mixed fp32 x bf16 GEMMs). `heads` is an
+    argument, not a closure: closed-over traced values of a custom_vjp become extra inputs that an AOT-compiled
+    caller does not pass."""
+    @jax.custom_vjp
+    def partial(piece, wo, heads):
+        return project_out(piece, wo, heads, jnp.float32)
+
+    def forward(piece, wo, heads):
+        return partial(piece, wo, heads), (piece, wo, heads)
+
+    def backward(residuals, g):
+        piece, wo, heads = residuals
+        _, pull = jax.vjp(lambda p, w: project_out(p, w, heads), piece, wo)
+        return (*pull(g.astype(piece.dtype)), None)   # integer head ids: no cotangent
+
+    partial.defvjp(forward, backward)
+    return partial(piece, wo, heads)

@@ -7,6 +7,7 @@ in fp32 and bf16."""
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -133,3 +134,32 @@ def test_fused_attention_in_bf16_stays_near_the_unfused_accuracy():
         ring_err, unfused_err = np.linalg.norm(got - exact), np.linalg.norm(unfused - exact)
         factor = 4 if "['ffn']" in name else 1.5
         assert ring_err <= factor * unfused_err + 1e-3 * np.linalg.norm(exact), name
+
+
+def test_a2a_gemm_backward_keeps_bf16_operands():
+    """The fp32 partial sums of the output projection must not turn its backward GEMMs into fp32 x bf16 ones
+    (the cotangent is cast back to the compute dtype: ring_attention._fp32_partial)."""
+    B, S, H, K, D = 1, 16, 8, 4, 8
+    mesh = jax.make_mesh((N,), ("x",), axis_types=(AxisType.Explicit,))
+    o, wo = _normal(0, (B, S, H, K)).astype(jnp.bfloat16), _normal(1, (H, K, D)).astype(jnp.bfloat16)
+
+    def project_out(o, wo, heads=None, out_dtype=None):
+        return jnp.einsum("bshk,hkd->bsd", o, _pick(wo, heads, 0), preferred_element_type=out_dtype)
+
+    f = jax.shard_map(lambda o, wo: ring_attention.project_heads_to_seq(o, project_out, wo, axis="x"), mesh=mesh,
+                      in_specs=(P(None, None, "x"), P()), out_specs=P(None, "x"))
+    o = jax.reshard(o, NamedSharding(mesh, P(None, None, "x")))
+    wo = jax.reshard(wo, NamedSharding(mesh, P()))
+    loss = lambda o, wo: jnp.sum(f(o, wo).astype(jnp.float32) ** 2)   # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(o, wo)
+    dots = []
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "dot_general":
+                dots.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+    walk(jaxpr.jaxpr)
+    assert len(dots) >= 3 * N, dots   # forward + dgrad + wgrad per step
+    assert all(a == b == "bfloat16" for a, b in dots), dots
