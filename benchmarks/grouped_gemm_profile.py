@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import gpu_trace  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
 from benchmarks.grouped_gemm_cases import ISSUE10_MODELS, TOKENS_PER_DEVICE, group_sizes_for  # noqa: E402
 from benchmarks.grouped_gemm_jax_timing import SampledCheck  # noqa: E402
 import pallas_kernels.grouped_gemm as gg  # noqa: E402
@@ -150,7 +151,7 @@ def main():
     p.add_argument("--interpret", action="store_true", help="CPU smoke: tiny shapes, no trace")
     args = p.parse_args()
     t0 = time.perf_counter()
-    doc = dict(environment=dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__), rows=[])
+    doc = dict(environment=environment(), rows=[])
     for shape in args.shapes.split(","):
         m, k, n, g = (512, 128, 256, 4) if args.interpret else shape_of(shape)
         keys = jax.random.split(jax.random.key(0), 2)
