@@ -14,8 +14,9 @@ than assumed:
 
 Instructions are matched by the named scopes in their `op_name` metadata (the macro layer names every
 phase: 'macro_bwd/chunk0/dx_exchange', 'macro_bwd/chunk0/expert_wgrad', 'ffn/chunk1/dispatch', ...); a
-fusion is named by its root (XLA's metadata), an async wrapper by what it wraps. Async
-forms: `<kind>-start` / `<kind>-done` and `async-start` / `async-done` wrapping a collective.
+fusion is named by its root (XLA's metadata), an async wrapper by what it wraps, a collective that XLA's
+combiner merged from several by each of theirs (XLA writes 'prefix/(a/b:c/d)' for 'prefix/a/b' + 'prefix/c/d').
+Async forms: `<kind>-start` / `<kind>-done` and `async-start` / `async-done` wrapping a collective.
 """
 from __future__ import annotations
 
@@ -74,6 +75,27 @@ class HloModule:
         return None
 
 
+def expand_combined(op_name: str) -> list[str]:
+    """The op_names a combined instruction stands for: 'p/(a/x:b/y)' -> ['p/a/x', 'p/b/y'] (recursively);
+    any other name -> [name]. The group is a parenthesis opened at the start or after '/' that closes at the
+    end of the name and holds a top-level ':' (a scope such as 'jvp(f)' has none)."""
+    for start, ch in enumerate(op_name):
+        if ch != "(" or (start and op_name[start - 1] != "/"):
+            continue
+        depth, splits = 0, []
+        for end in range(start, len(op_name)):
+            depth += {"(": 1, ")": -1}.get(op_name[end], 0)
+            if depth == 1 and op_name[end] == ":":
+                splits.append(end)
+            if depth == 0:
+                break
+        if depth == 0 and end == len(op_name) - 1 and splits:
+            bounds = [start] + splits + [end]
+            return [name for a, b in zip(bounds, bounds[1:])
+                    for name in expand_combined(op_name[:start] + op_name[a + 1:b])]
+    return [op_name]
+
+
 def parse(hlo_text: str) -> HloModule:
     computations: dict[str, list[Instruction]] = {}
     entry, current = "", None
@@ -107,8 +129,8 @@ def parse(hlo_text: str) -> HloModule:
         op_name = _OP_NAME.search(rest)
         calls = tuple(n.strip().lstrip("%") for m in _CALLS.finditer(rest[opcode.end() + end:])
                       for n in m.group("names").split(","))
-        computations[current].append(Instruction(match.group("name"), opcode.group("op"), operands,
-                                                 op_name.group("op_name") if op_name else "", calls))
+        names = "\n".join(expand_combined(op_name.group("op_name"))) if op_name else ""
+        computations[current].append(Instruction(match.group("name"), opcode.group("op"), operands, names, calls))
     return HloModule(computations, entry, "is_scheduled=true" in hlo_text.split("\n", 1)[0])
 
 

@@ -130,6 +130,36 @@ ENTRY %main (x: f32[8], w: f32[8,8]) -> f32[8] {
     assert schedule.independent(module, "dx_exchange", "macro_bwd/add") == [("start", "y", False)]
 
 
+def test_combined_collectives_answer_to_each_scope_they_merged():
+    """XLA's collective combiner names a merged collective 'prefix/(a:b)' (seen in the GPU schedule of the
+    all_gather dispatch: chunk 1's token gather merged with the combine's weight gathers); each merged scope
+    must still find it, and scopes that merely contain parentheses are left whole."""
+    from megascale_jax.parallel import overlap_schedule as schedule
+
+    merged = "jit(f)/shard_map/jvp(moe_block)/ffn/(chunk1/dispatch/all_gather:chunk0/combine/all_gather)"
+    assert schedule.expand_combined(merged) == ["jit(f)/shard_map/jvp(moe_block)/ffn/chunk1/dispatch/all_gather",
+                                                "jit(f)/shard_map/jvp(moe_block)/ffn/chunk0/combine/all_gather"]
+    assert schedule.expand_combined("s/(transpose(jvp(b))/x/jvp()/psum:transpose(jvp())/psum)") == [
+        "s/transpose(jvp(b))/x/jvp()/psum", "s/transpose(jvp())/psum"]
+    assert schedule.expand_combined("a/(b:c/(d:e))") == ["a/b", "a/c/d", "a/c/e"]
+    assert schedule.expand_combined("jit(f)/attention/all_to_all") == ["jit(f)/attention/all_to_all"]
+    text = f"""HloModule m, is_scheduled=true
+
+ENTRY %main (x: f32[8], w: f32[8,8]) -> f32[8] {{
+  %x = f32[8]{{0}} parameter(0)
+  %w = f32[8,8]{{1,0}} parameter(1)
+  %ag-start = (f32[8]{{0}}, f32[64]{{0}}) all-gather-start(%x), dimensions={{0}}, metadata={{op_name="{merged}"}}
+  %gemm = f32[8,8]{{1,0}} fusion(%w), kind=kCustom, calls=%f, metadata={{op_name="ffn/chunk0/experts/dot"}}
+  %ag-done = f32[64]{{0}} all-gather-done(%ag-start)
+  ROOT %y = f32[8]{{0}} add(%x, %x)
+}}
+"""
+    module = schedule.parse(text)
+    assert schedule.compute_under(module, "ffn/chunk1/dispatch", "ffn/chunk0/experts") == {"ag-start": ["gemm"]}
+    assert schedule.compute_under(module, "ffn/chunk0/combine", "ffn/chunk0/experts") == {"ag-start": ["gemm"]}
+    assert schedule.compute_under(module, "ffn/chunk2/dispatch", "ffn/chunk0/experts") == {}
+
+
 # ------------------------------------------------------------------------------------------------- GPU
 def _gpu_report():
     """Runs in a fresh process on the GPU machine: 8 mock GPUs, the latency-hiding scheduler on."""
