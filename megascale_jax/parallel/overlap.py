@@ -10,8 +10,8 @@ wants (or what a jax.checkpoint policy selects by name). Here each phase is expl
     run under the backward's other collectives;
   * the forward's token exchange is split into `chunks` pieces along the tokens, each with its own plan:
     chunk i+1's dispatch does not depend on chunk i's GEMMs, so it can move meanwhile (barriers pin that
-    order, since XLA's scheduler did not choose it: chunk i+1 is sent once chunk i's rows have arrived, and
-    chunk i is combined once chunk i+1's have);
+    order, since XLA's scheduler did not choose it: chunk i+1 is sent once chunk i's rows have arrived,
+    chunk i is combined once chunk i+1's have, and that combine lands before chunk i+1's down GEMM);
   * the routing weights' gradient comes from the down GEMM's input gradient, <dy W_down^T, act> per row
     (equal to <dy, y> by linearity), so no expert output is kept for it;
   * remat is explicit (`train.remat`), per the paper's selective activation rematerialisation:
@@ -243,6 +243,11 @@ def _experts_forward(cfg: MacroBlock, math, w, h2_TD, idx_TK, weight_TK, *, keep
             gate = math.expert_gemm(x_MD, e.gate_EDF, plan.group_sizes)
             up = math.expert_gemm(x_MD, e.up_EDF, plan.group_sizes)
             act, p_act = _pull(keep_all, math.activation, gate, up)
+            if pin and c > 0:
+                # ... and the previous chunk's combine lands before this chunk's down GEMM, so it runs under this
+                # chunk's gate / up GEMMs (without it XLA's combiner merged every chunk's combine into one
+                # reduce-scatter after the last chunk's GEMMs: seen in the GPU schedule of the all_gather dispatch).
+                act, ys[-1] = lax.optimization_barrier((act, ys[-1]))
             y_MD = math.expert_gemm(act, e.down_EFD, plan.group_sizes)
         pending = (c, y_MD, plan, weight, x_MD)
         chunks.append(ExpertChunk(plan, x_MD if keep_all else None, gate, up, (act, p_act) if keep_all else None))

@@ -5,8 +5,8 @@ program *allows* overlap: each backward dx exchange has no data path to or from 
 gradients, and each forward chunk's dispatch none to or from the previous chunk's expert GEMMs.
 GPU (`gpu` marker): the same block compiled for 8 GPUs of a mock topology (jax_mock_gpu_topology, one real
 GPU, nothing runs) with launch/env.sh's latency-hiding scheduler; the scheduled HLO must place expert
-wgrad GEMMs between each dx exchange's async start and done, and chunk 0's expert GEMMs under chunk 1's
-dispatch. Run there with `MEGASCALE_TEST_GPU=1 python -m pytest -m gpu tests/parallel/test_overlap_schedule.py`.
+wgrad GEMMs between each dx exchange's async start and done, chunk 0's expert GEMMs under chunk 1's
+dispatch, and chunk 1's under chunk 0's combine. Run there with `MEGASCALE_TEST_GPU=1 python -m pytest -m gpu tests/parallel/test_overlap_schedule.py`.
 """
 import json
 import os
@@ -183,6 +183,8 @@ def _gpu_report():
             "dx_exchange_over_wgrad": schedule.compute_under(module, "dx_exchange", "expert_wgrad"),
             "chunk1_dispatch_over_chunk0_experts": schedule.compute_under(module, "ffn/chunk1/dispatch",
                                                                           "ffn/chunk0/experts"),
+            "chunk0_combine_over_chunk1_experts": schedule.compute_under(module, "ffn/chunk0/combine",
+                                                                         "ffn/chunk1/experts"),
             "backward_collectives_over_any_compute": {
                 k: len(v) for k, v in schedule.compute_under(module, "transpose(", "").items()},
         }
@@ -209,6 +211,7 @@ def test_gpu_schedule_puts_expert_wgrad_under_the_dx_exchange():
         assert r["dx_exchange_over_wgrad"], r   # the dx exchanges are async pairs
         assert all(r["dx_exchange_over_wgrad"].values()), r["dx_exchange_over_wgrad"]
         assert any(r["chunk1_dispatch_over_chunk0_experts"].values()), r["chunk1_dispatch_over_chunk0_experts"]
+        assert any(r["chunk0_combine_over_chunk1_experts"].values()), r["chunk0_combine_over_chunk1_experts"]
 
 
 if __name__ == "__main__" and "--gpu-report" in sys.argv:
