@@ -51,7 +51,8 @@ def run_trainer(name: str, overrides: dict, out_dir: str) -> list[dict]:
         return [r for r in map(json.loads, f) if r.get("split") == "train"]
 
 
-def bench_config(name: str, steps: int, log_every: int, overrides: dict, profile_steps: int = 0) -> dict:
+def bench_config(name: str, steps: int, log_every: int, overrides: dict, profile_steps: int = 0,
+                 profile_top: int = 25) -> dict:
     """`profile_steps` > 0 traces that many steps at the end of the run (after compilation and warm-up) and adds
     the GPU time breakdown of `benchmarks.gpu_trace` as row["profile"]."""
     profile = {"profile.start_step": steps - profile_steps, "profile.num_steps": profile_steps} if profile_steps \
@@ -63,7 +64,7 @@ def bench_config(name: str, steps: int, log_every: int, overrides: dict, profile
         cfg = default_config(name, num_devices=jax.device_count(), **overrides)   # errors before the run
         logged = run_trainer(name, overrides, tmp)
         breakdown = gpu_trace.breakdown(gpu_trace.load_trace(gpu_trace.latest_trace_file(
-            os.path.join(tmp, "profile"))), profile_steps) if profile_steps else None
+            os.path.join(tmp, "profile"))), profile_steps, top=profile_top) if profile_steps else None
     rates = [l["tokens_per_s"] for l in logged[1:] if l.get("tokens_per_s")]
     size = model_size(cfg.model, cfg.train.seq_len)
     tokens_per_s = statistics.median(rates) if rates else None
@@ -106,6 +107,7 @@ def main() -> None:
     ap.add_argument("--no-default", action="store_true", help="run only the --variant rows")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="trace the last N steps of each run and add benchmarks/gpu_trace.py's breakdown")
+    ap.add_argument("--profile-top", type=int, default=25, help="kernels listed by name in each profile")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     common = _parse_overrides(args.set)
@@ -115,7 +117,8 @@ def main() -> None:
     for name in args.configs.split(","):
         for variant, extra in variants:
             try:
-                row = bench_config(name, args.steps, args.log_every, {**common, **extra}, args.profile_steps)
+                row = bench_config(name, args.steps, args.log_every, {**common, **extra}, args.profile_steps,
+                                   args.profile_top)
             except Exception as err:  # noqa: BLE001 - record the failure next to the other results
                 row = {"config": name, "overrides": {**common, **extra}, "error": f"{type(err).__name__}: {err}"[:800]}
             row["variant"] = variant
