@@ -266,6 +266,14 @@ def make_train_step(trainer: Trainer):
 
     def body(params, opt_state, step, nonfinite, batch):
         loss, metrics, grads = source(params, batch)
+        if isinstance(updater, Replicated):
+            # An unrolled layer stack's gradients arrive as a concatenation of the layers' pieces, which XLA
+            # fused into each consumer (norm, both Adam moments, the update) and then could not merge those
+            # into one pass. Materialized once here, AdamW is one multi-output pass per parameter: on the H200
+            # the expert weights' optimizer work went from 33.2 to 26.5 ms of a mixtral_small step
+            # (benchmarks/results/train_step_profile_mixtral_small_1xh200.json). A scanned stack's gradients
+            # are already one array (no concatenation to materialize).
+            grads = lax.optimization_barrier(grads)
         finite = _all_finite(loss, grads, trainer.plan.per_device)
         if skip:   # a cond, not a select: the skipped update costs nothing and reads no state twice
             params, opt_state, stats = lax.cond(
