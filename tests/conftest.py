@@ -3,7 +3,10 @@
 Every sharded component is tested against the single-device computation on these devices.
 GPU-only tests carry the `gpu` marker and are skipped (with a reason) where no GPU is present.
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -14,6 +17,15 @@ import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Many tests compile the very same program (the same model init, the same train step of a straight run and of
+# its resumed twin): a compilation cache of this process's own, new each session and deleted at exit, compiles
+# each program once. A hit is the executable XLA built for the identical HLO and options, so nothing a test checks
+# changes. Set through jax.config (not the environment), so subprocesses that tests start do not share it.
+_COMPILATION_CACHE = tempfile.mkdtemp(prefix="megascale-jax-test-cache-")
+atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
 
 
 def _has_gpu() -> bool:
