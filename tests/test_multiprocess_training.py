@@ -40,19 +40,26 @@ def _train(out, processes: int, extra=(), timeout=300):
     return [l["loss"] for l in lines if l["split"] == "train"], outputs[0][0]
 
 
+@pytest.fixture(scope="module")
+def one_process_plain(tmp_path_factory):
+    """The 4 steps of ARGS in 1 process x 8 devices: the reference of both plain_dp and the checkpoint test
+    (the same command; run once per module, not once per test)."""
+    return _train(str(tmp_path_factory.mktemp("one_plain")), 1)[0]
+
+
 @pytest.mark.parametrize("extra", [(), ("--config.parallel.plan=manual",
                                         "--config.parallel.optimizer_sharding=zero1",
                                         "--config.parallel.grad_comm=bf16")], ids=["plain_dp", "zero1_bf16"])
-def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path, extra):
-    single, _ = _train(str(tmp_path / "one"), 1, extra)
+def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path, request, extra):
+    single = request.getfixturevalue("one_process_plain") if not extra else _train(str(tmp_path / "one"), 1, extra)[0]
     multi, stdout = _train(str(tmp_path / "two"), 2, extra)
     assert "2 process(es)" in stdout and "data=8" in stdout
     np.testing.assert_allclose(multi, single, rtol=1e-5)
 
 
-def test_checkpoint_written_by_two_processes_resumes_in_one(tmp_path):
+def test_checkpoint_written_by_two_processes_resumes_in_one(tmp_path, one_process_plain):
     ckpt = ["--config.checkpoint.every=2", f"--config.checkpoint.dir={tmp_path / 'ckpt'}"]
-    straight, _ = _train(str(tmp_path / "straight"), 1)
+    straight = one_process_plain
     # The first run stops at step 2 (steps=2); with warmup_steps=1 its learning rates for steps 0 and 1 (0, then
     # the peak) are those of the 4-step schedule, which the resumed run follows from the 2-process checkpoint.
     first, _ = _train(str(tmp_path / "a"), 2, ckpt + ["--config.train.steps=2"])
