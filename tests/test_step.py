@@ -41,10 +41,18 @@ def _gradient_wire_dtypes(cfg) -> set:
     return {d for c in parse_collectives(text, 8) if c.kind == "all-to-all" for d in c.dtypes}
 
 
+PLAIN = {"parallel.plan": "manual"}   # intra 1: plain data parallelism over 8 devices, per device
+
+
+@pytest.fixture(scope="module")
+def plain_fp32_losses(tmp_path_factory):
+    """The fp32 exchange's losses: the reference of both compressed modes (one run per module)."""
+    return [l["loss"] for l in _run(tmp_path_factory.mktemp("plain"), "fp32", **PLAIN)]
+
+
 @pytest.mark.parametrize("mode, wire", [("bf16", "u16"), ("fp8", "u8")])
-def test_plain_data_parallel_compressed_gradients(tmp_path, mode, wire):
-    plain = {"parallel.plan": "manual"}   # intra 1: plain data parallelism over 8 devices, per device
-    fp32 = [l["loss"] for l in _run(tmp_path, "fp32", **plain)]
+def test_plain_data_parallel_compressed_gradients(tmp_path, plain_fp32_losses, mode, wire):
+    plain, fp32 = PLAIN, plain_fp32_losses
     compressed = [l["loss"] for l in _run(tmp_path, mode, **plain, **{"parallel.grad_comm": mode})]
     np.testing.assert_allclose(compressed, fp32, rtol=1e-3)
     assert compressed != fp32   # the compression is really on
