@@ -4,8 +4,6 @@ shard_map on 8 devices (GQA kv layouts incl. G < n and local expansion; values, 
 bytes per collective kind), and loss + every gradient of a 2-layer
 model against the unfused SP+EP plan (GQA with 2 kv heads, q/k/v biases and qk-norm at intra 4; MHA at intra 8),
 in fp32 and bf16."""
-import functools
-
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -86,15 +84,9 @@ def test_ring_functions_equal_the_all_to_alls_and_einsums(num_q_heads, num_kv_he
 GQA = {"model.num_kv_heads": 2, "model.qkv_bias": True, "model.qk_norm": True}   # 2 kv heads < intra 4
 
 
-@functools.cache
-def _cached_run(moe_layer, extra):
-    """tests/parallel/test_ring_dispatch.py's _run, once per (moe_layer, config items): the fp32 unfused run
-    serves both the fp32 and the bf16 test (each run compiles a 2-layer model: seconds on 2 cores)."""
-    return _run(moe_layer, **dict(extra))
-
-
 def _grads(moe_layer, **extra):
-    trainer, out = _cached_run(moe_layer, tuple(sorted(extra.items())))
+    # _run is cached per (moe_layer, config items): the fp32 unfused run serves the fp32 and the bf16 test.
+    trainer, out = _run(moe_layer, **extra)
     if moe_layer == "fused":   # the strategy types, so the comparison cannot pass with the unfused classes
         assert type(trainer.layout.attention).__name__ == "RingUlyssesAttention"
         assert type(trainer.layout.ffn).__name__ == "RingAllGatherDispatch"

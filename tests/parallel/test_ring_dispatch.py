@@ -1,6 +1,8 @@
 """The ring schedules of the all_gather dispatch (parallel/ring_dispatch.py, parallel.moe_layer='fused') against
 the unfused all_gather dispatch: loss, MoE stats and every gradient on 8 simulated devices (SP+EP, intra 4 and 8),
 and the config errors where the ring does not apply."""
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -16,7 +18,14 @@ COMMON = {"model.hidden": 32, "model.num_heads": 8, "model.num_kv_heads": 8, "mo
 
 
 def _run(moe_layer, **extra):
-    cfg = default_config("tiny_cpu", num_devices=8, **{**COMMON, **extra, "parallel.moe_layer": moe_layer})
+    return _cached_run(moe_layer, tuple(sorted(extra.items())))
+
+
+@functools.cache
+def _cached_run(moe_layer, extra):
+    """(trainer, host (loss, metrics, grads)), once per process for each (moe_layer, config items): the fp32
+    unfused run at intra 4 serves the intra-4 comparison and the bf16 test (each compiles a 2-layer model)."""
+    cfg = default_config("tiny_cpu", num_devices=8, **{**COMMON, **dict(extra), "parallel.moe_layer": moe_layer})
     trainer = step.build(cfg)
     state = step.create_state(trainer)
     return trainer, jax.device_get(_loss_and_grads(trainer, state, _batch(trainer)))
