@@ -123,9 +123,13 @@ def cross_entropy(logits_BSV, targets_BS):
     # to the GEMM's dtype. take_along_axis's transpose was a scatter into the f32 [B, S, V] gradient, then a
     # separate cast pass: 6.3 ms of a mixtral_small step on the H200 (train_step_profile_mixtral_small_1xh200
     # .json, loop_multiply_fusion + wrapped_convert.4). Not yet profiled on the GPU after the change.
-    vocab_V = lax.broadcasted_iota(jnp.int32, (logits.shape[-1],), 0)
+    # A target outside the vocabulary matches no column: its logit is NaN (as take_along_axis's fill), so the
+    # loss is NaN and the step's non-finite check catches it instead of training on a silent zero.
+    num_classes = logits.shape[-1]
+    vocab_V = lax.broadcasted_iota(jnp.int32, (num_classes,), 0)
     target_logit = jnp.sum(jnp.where(vocab_V == targets_BS[..., None], logits, 0.0), axis=-1)
-    return jnp.mean(log_z - target_logit)
+    in_vocab = (targets_BS >= 0) & (targets_BS < num_classes)
+    return jnp.mean(log_z - jnp.where(in_vocab, target_logit, jnp.nan))
 
 
 class DenseMLP(nnx.Module):

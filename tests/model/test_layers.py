@@ -29,3 +29,11 @@ def test_cross_entropy_equals_optax_values_and_gradients():
     d_bf16 = jax.grad(lambda x: cross_entropy(x, targets))(x16)
     assert d_bf16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(d_bf16, np.float32), jax.grad(plain)(x16.astype(jnp.float32)), atol=2e-4)
+
+
+def test_cross_entropy_of_a_target_outside_the_vocabulary_is_nan():
+    """Not a silent zero: the step's non-finite check relies on it (tests/test_robustness.py)."""
+    logits = jnp.zeros((1, 3, 8), jnp.float32)
+    for bad in (8, -1):
+        assert np.isnan(float(cross_entropy(logits, jnp.array([[0, bad, 2]]))))
+    assert np.isfinite(float(cross_entropy(logits, jnp.array([[0, 7, 2]]))))
