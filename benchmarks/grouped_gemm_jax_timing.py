@@ -243,7 +243,7 @@ def measure_dense(row, case, x, w, dy, flops, record, args):
 def tiling_label(cfg):
     return (f"{cfg.wg_split}{cfg.tile_m}x{cfg.tile_n}k{cfg.tile_k}s{cfg.max_concurrent_steps}"
             f"m{cfg.grid_minor}w{cfg.grid_tile_width}e{cfg.epi_tile_n}x{cfg.epi_slots}"
-            f"{'c' if cfg.chain_items else ''}{'f1' if cfg.mma_in_flight else ''}")
+            f"{'c' if cfg.chain_items else ''}")
 
 
 def sweep_tilings(n, k):
@@ -254,9 +254,7 @@ def sweep_tilings(n, k):
                 dict(chain_items=True, grid_tile_width=16), dict(chain_items=True, wg_split="m"),
                 dict(chain_items=True, tile_k=128, max_concurrent_steps=2),
                 dict(tile_k=128, max_concurrent_steps=2), dict(wg_split="m"), dict(wg_split="m", epi_slots=2),
-                dict(grid_minor=1), dict(tile_n=64, max_concurrent_steps=6, epi_slots=2),
-                dict(mma_in_flight=1), dict(mma_in_flight=1, epi_slots=2), dict(mma_in_flight=1, wg_split="m"),
-                dict(mma_in_flight=1, tile_k=128, max_concurrent_steps=2)]
+                dict(grid_minor=1), dict(tile_n=64, max_concurrent_steps=6, epi_slots=2)]
     out = []
     for v in variants:
         cfg = GemmTiling(**v)

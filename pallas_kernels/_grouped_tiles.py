@@ -52,12 +52,6 @@ class GemmTiling:
     # Chain the K pipelines of an SM's consecutive work items (forward / input gradient kernel): the next
     # item's loads overlap this item's epilogue. Needs K steps divisible by the pipeline depth (else off).
     chain_items: bool = False
-    # wgmma groups left in flight when a K step ends (0 or 1). 1: the next step's MMA is issued while this one
-    # still runs, and the pipeline releases each SMEM stage one step later (so it holds one stage fewer of
-    # look-ahead); jax's pipeline does not combine it with chained pipelines, so it turns chain_items off.
-    # Measured no faster on any forward shape swept (benchmarks/results/grouped_gemm_inflight_sweep_h200.json):
-    # the two compute warpgroups already cover each other's waits. Off by default; a knob for other shapes.
-    mma_in_flight: int = 0
 
     @property
     def cta_m(self) -> int:
@@ -160,11 +154,6 @@ def fit_ragged_tiling(cfg, k_dim: int, out_dtype):
     """The forward / input-gradient tiles as they run: pipeline depth fitted to SMEM, and chained pipelines
     only where a depth >= 2 divides the K steps."""
     cfg = fit_smem(cfg, (cfg.cta_m + cfg.cta_n) * cfg.tile_k, out_dtype)
-    if cfg.mma_in_flight not in (0, 1) or cfg.max_concurrent_steps <= cfg.mma_in_flight:
-        raise ValueError(f"mma_in_flight={cfg.mma_in_flight} must be 0 or 1 and below the pipeline depth "
-                         f"({cfg.max_concurrent_steps} after fitting SMEM)")
-    if cfg.mma_in_flight:
-        cfg = dataclasses.replace(cfg, chain_items=False)
     if cfg.chain_items:   # chained pipelines need the K steps to be a multiple of the pipeline depth
         depths = [s for s in range(cfg.max_concurrent_steps, 1, -1) if (k_dim // cfg.tile_k) % s == 0]
         # the deepest that divides; none (an odd prime step count): unchained at the full depth

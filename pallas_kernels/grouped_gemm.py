@@ -70,10 +70,9 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
             num_compute_wgs=NUM_COMPUTE_WGS, max_concurrent_steps=cfg.max_concurrent_steps,
             compute_context=context, pipeline_state=state,
             in_specs=[
-                plgpu.BlockSpec((cfg.cta_m, cfg.tile_k), lambda kk: (slot_ref[0], kk), transforms=in_tf,
-                                delay_release=cfg.mma_in_flight),
+                plgpu.BlockSpec((cfg.cta_m, cfg.tile_k), lambda kk: (slot_ref[0], kk), transforms=in_tf),
                 plgpu.BlockSpec(w_block, (lambda kk: (0, kk)) if transpose_w else (lambda kk: (kk, 0)),
-                                transforms=in_tf, delay_release=cfg.mma_in_flight),
+                                transforms=in_tf),
             ])
 
     ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
@@ -101,7 +100,7 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
         def mma(_, x_smem, w_smem, acc_ref):
             w_op = w_smem.at[wg_n, :].transpose((1, 0)) if transpose_w else w_smem.at[:, wg_n]
             plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_op)
-            plgpu.wgmma_wait(cfg.mma_in_flight)   # the accumulator's scope awaits the last one
+            plgpu.wgmma_wait(0)
             return acc_ref
 
         @plgpu.nd_loop((num_compute * n_iters,), collective_axes="sm")

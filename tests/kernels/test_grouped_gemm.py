@@ -98,11 +98,6 @@ VARIANT_TUNINGS = {
     "chain_items": GroupedGemmTuning(
         fwd=dataclasses.replace(SMALL_TUNING.fwd, chain_items=True),
         dgrad=dataclasses.replace(SMALL_TUNING.dgrad, chain_items=True), wgrad=SMALL_TUNING.wgrad, num_sms=3),
-    # one wgmma group left in flight per K step (SMEM stages released a step late); asks for chaining too,
-    # which it turns off
-    "mma_in_flight": GroupedGemmTuning(
-        fwd=dataclasses.replace(SMALL_TUNING.fwd, mma_in_flight=1, max_concurrent_steps=3, chain_items=True),
-        dgrad=dataclasses.replace(SMALL_TUNING.dgrad, mma_in_flight=1), wgrad=SMALL_TUNING.wgrad, num_sms=3),
 }
 
 
@@ -120,17 +115,6 @@ def test_interpret_chained_tuning_when_no_depth_divides_the_k_steps():
                                  dgrad=dataclasses.replace(k128.dgrad, chain_items=True))
     x, w, dy, group_sizes = _random_problem(4, 200, 384, 256, [50, 0, 7, 100, 0, 23])
     _check_fwd_bwd(x, w, dy, group_sizes, interpret=True, tuning=tuning)
-
-
-def test_mma_in_flight_turns_chaining_off_and_needs_a_deeper_pipeline():
-    from pallas_kernels._grouped_tiles import fit_ragged_tiling
-
-    cfg = fit_ragged_tiling(GemmTiling(mma_in_flight=1, chain_items=True), 4096, jnp.bfloat16)
-    assert cfg.mma_in_flight == 1 and not cfg.chain_items and cfg.max_concurrent_steps == 4
-    assert fit_ragged_tiling(GemmTiling(chain_items=True), 4096, jnp.bfloat16).chain_items
-    for bad in (GemmTiling(mma_in_flight=2), GemmTiling(mma_in_flight=1, max_concurrent_steps=1)):
-        with pytest.raises(ValueError, match="mma_in_flight"):
-            fit_ragged_tiling(bad, 4096, jnp.bfloat16)
 
 
 def test_interpret_bf16_output_and_default_tuning():
@@ -329,9 +313,7 @@ def test_gpu_forward_and_gradients_match_ragged_dot(sizes, zero_tail):
     GemmTiling(epi_slots=2), GemmTiling(tile_k=128, max_concurrent_steps=3), GemmTiling(wg_split="m"),
     GemmTiling(tile_n=64, epi_slots=2, max_concurrent_steps=6), GemmTiling(tile_n=128, epi_tile_n=128),
     GemmTiling(chain_items=True), GemmTiling(chain_items=True, epi_slots=2, wg_split="m"),
-    GemmTiling(mma_in_flight=1), GemmTiling(mma_in_flight=1, tile_k=128, max_concurrent_steps=2),
-], ids=["epi2", "k128", "split_m", "n64_epi2", "epi128", "chain", "chain_epi2_split_m", "in_flight",
-        "in_flight_k128"])
+], ids=["epi2", "k128", "split_m", "n64_epi2", "epi128", "chain", "chain_epi2_split_m"])
 def test_gpu_forward_tiling_variants_match_ragged_dot(fwd):
     """The forward tilings the shape table may choose, on ragged groups with a tail, dirty memory."""
     sizes = [700, 0, 1500, 33, 0, 900, 1, 400]
