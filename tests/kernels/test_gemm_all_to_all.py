@@ -1,0 +1,154 @@
+"""GEMM + all-to-all kernel (pallas_kernels/gemm_all_to_all.py) against its twin.
+
+CPU: the twin's meaning on 4 simulated devices (recv[s] = x_s @ w_s[r], from the global arrays); the kernel's
+compute side (exchange=False) in GPU interpret mode against an fp32 einsum, both warpgroup splits; the
+one-line errors. The interpreter has no semaphores or remote refs, so the exchange itself runs on the GPU:
+GPU (`-m gpu`, MEGASCALE_TEST_GPU=1): the compute side for real at Mixtral's shapes; the exchange compiled
+for a mock topology of 2 and 8 GPUs. A one-rank mesh cannot run the exchange: Mosaic GPU reaches peers
+through XLA's collective metadata only for meshes of more than one device, and falls back to NVSHMEM, which
+this XLA build does not have ("NVSHMEM is not supported in XLA", jax 0.11.2 on the H200). So running it, forward
+and gradients against the twin, needs >= 2 GPUs (the last test; skipped on fewer).
+"""
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.gemm_all_to_all import default_tiling, gemm_all_to_all, gemm_all_to_all_reference
+from pallas_kernels.grouped_gemm import GemmTiling
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _operands(seed, n, m, d, f):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (m, d), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (n, d, f), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+    return x, w
+
+
+def _f32(a):
+    return np.asarray(a, np.float64)
+
+
+def test_twin_delivers_each_ranks_rows_for_my_columns():
+    n, m, d, f = 4, 8, 16, 12
+    x_all = jax.random.normal(jax.random.key(0), (n, m, d), jnp.float32)     # rank s's rows
+    w_all = jax.random.normal(jax.random.key(1), (n, n, d, f), jnp.float32)  # rank s's w_NDF
+    mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Explicit,))
+    twin = jax.shard_map(lambda x, w: gemm_all_to_all_reference(x[0], w[0], axis="x")[None], mesh=mesh,
+                         in_specs=(P("x"), P("x")), out_specs=P("x"))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("x")))  # noqa: E731
+    got = twin(put(x_all), put(w_all))                                       # [r, s, m, f]
+    want = jnp.einsum("smd,srdf->rsmf", x_all, w_all)
+    np.testing.assert_allclose(_f32(got), _f32(want), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("tiling", [
+    GemmTiling(tile_m=64, tile_n=64, max_concurrent_steps=2, wg_split="n", grid_tile_width=2),
+    GemmTiling(tile_m=64, tile_n=64, max_concurrent_steps=2, wg_split="m", grid_tile_width=2),
+], ids=["split_n", "split_m"])
+def test_compute_side_in_the_interpreter_equals_the_per_destination_gemms(tiling):
+    n, m, d, f = 3, 256, 128, 256
+    x, w = _operands(0, n, m, d, f)
+    got = gemm_all_to_all(x, w, axis=None, exchange=False, interpret=True, tiling=tiling)
+    want = jnp.einsum("md,ndf->nmf", x.astype(jnp.float32), w.astype(jnp.float32))
+    assert got.shape == (n, m, f) and got.dtype == jnp.bfloat16
+    assert np.all(np.isfinite(_f32(got))), "an element was never written (the interpreter fills with NaN)"
+    np.testing.assert_allclose(_f32(got), _f32(want), rtol=1e-2, atol=1e-2)   # bf16 output rounding
+
+
+@pytest.mark.parametrize("shape, kwargs, message", [
+    ((2, 200, 128, 256), {}, "M (rows of x_MD)=200 must be a multiple"),
+    ((2, 256, 128, 96), {}, "F=96 must be a multiple of 64"),
+    ((2, 256, 128, 256), {"interpret": True}, "needs exchange=False"),
+])
+def test_bad_operands_get_one_line_errors(shape, kwargs, message):
+    n, m, d, f = shape
+    x, w = _operands(0, n, m, d, f)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        gemm_all_to_all(x, w, axis="x", **kwargs)
+
+
+def test_default_tiling_takes_the_widest_tile_that_divides_f():
+    assert default_tiling(768).cta_n == 256 and default_tiling(640).cta_n == 128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, m, d, f", [(8, 4096, 4096, 768), (2, 2048, 2048, 3072)])
+def test_gpu_compute_side_equals_the_per_destination_gemms(n, m, d, f):
+    """Mixtral's q/k/v columns per destination at n = 8 (768) and n = 2 (3072), run for real: the tiles, the
+    step order and the epilogue the exchange uses, with local stores."""
+    x, w = _operands(m + f, n, m, d, f)
+    got = jax.jit(functools.partial(gemm_all_to_all, axis=None, exchange=False))(x, w)
+    want = jnp.einsum("md,ndf->nmf", x, w, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(_f32(got), _f32(want), rtol=1e-2, atol=1e-2)
+
+
+def _exchange_compile_report(topology: str) -> dict:
+    """Compile only, for a mock topology of several GPUs (the one real GPU compiles, nothing runs): the
+    exchange kernel inside shard_map over all of them (the forward: the backward is the twin's XLA)."""
+    jax.config.update("jax_mock_gpu_topology", topology)
+    jax.config.update("jax_cuda_visible_devices", "0")
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Explicit,))
+    x = jax.ShapeDtypeStruct((n * 1024, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
+    w = jax.ShapeDtypeStruct((n * n, 4096, 768), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
+    fn = jax.shard_map(lambda x, w: gemm_all_to_all(x, w, axis="x")[None], mesh=mesh, in_specs=(P("x"), P("x")),
+                       out_specs=P("x"), check_vma=False)
+    fwd = jax.jit(fn).lower(x, w).compile().as_text()
+    return {"devices": n, "mosaic_calls": fwd.count("mosaic_gpu"),
+            "collective_metadata": re.search(r"uses_xla_collective_metadata\W+true", fwd) is not None}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topology", ["1x2x1", "1x8x1"])
+def test_gpu_exchange_kernel_compiles_for_several_gpus(topology):
+    """The exchange (remote_ref stores, semaphores) lowers through XLA's collective metadata for 2 and 8
+    ranks. Running it needs as many GPUs: the test below."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"   # compile only: no timing
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), topology], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["devices"] == int(topology.split("x")[1]) and report["mosaic_calls"] >= 1, report
+    assert report["collective_metadata"], report
+
+
+@pytest.mark.gpu
+def test_gpus_exchange_equals_the_twin_forward_and_gradients():
+    """On every local GPU (n >= 2 ranks): forward and gradients against the twin."""
+    n = jax.device_count()
+    if n < 2:
+        pytest.skip(f"the exchange needs >= 2 GPUs, this machine has {n}")
+    m, d, f = 2048, 4096, 768
+    keys = jax.random.split(jax.random.key(5), 2)
+    x = jax.random.normal(keys[0], (n * m, d), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (n * n, d, f), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+    mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Explicit,))
+    x, w = (jax.device_put(a, NamedSharding(mesh, P("x"))) for a in (x, w))
+    wrap = lambda fn: jax.jit(jax.shard_map(lambda x, w: fn(x, w, axis="x")[None], mesh=mesh,  # noqa: E731
+                                            in_specs=(P("x"), P("x")), out_specs=P("x"), check_vma=False))
+    fused, twin = wrap(gemm_all_to_all), wrap(gemm_all_to_all_reference)
+    got = fused(x, w)
+    np.testing.assert_allclose(_f32(got), _f32(twin(x, w)), rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(_f32(fused(x, w)), _f32(got))   # a second launch: the semaphore was reset
+    dy = jax.random.normal(jax.random.key(7), got.shape, jnp.float32).astype(jnp.bfloat16)
+    loss = lambda fn: lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) * dy)  # noqa: E731
+    for a, b in zip(jax.jit(jax.grad(loss(fused), argnums=(0, 1)))(x, w),
+                    jax.jit(jax.grad(loss(twin), argnums=(0, 1)))(x, w)):
+        np.testing.assert_allclose(_f32(a), _f32(b), rtol=2e-2, atol=2e-2)
+
+
+if __name__ == "__main__":   # the compile-only report, run in a subprocess by the test above
+    print(json.dumps(_exchange_compile_report(sys.argv[1])))
