@@ -78,6 +78,9 @@ def get_config() -> ConfigDict:
     c.kernels = ConfigDict()          # resolved once when the model is built (megascale_jax/step.py)
     c.kernels.grouped_gemm = "auto"   # xla (lax.ragged_dot) | pallas (Mosaic GPU kernel) | auto
     c.kernels.attention = "auto"      # xla | cudnn | auto (cudnn on GPU with bf16)
+    # parallel.moe_layer='fused' only: ring (ppermute steps) | mosaic (one GEMM+A2A kernel, GPU; not yet run on
+    # several GPUs, so never chosen for you)
+    c.kernels.attention_exchange = "ring"
 
     c.train = ConfigDict()
     c.train.steps = 100

@@ -83,6 +83,7 @@ class ParallelConfig:
 class KernelConfig:
     grouped_gemm: str
     attention: str
+    attention_exchange: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megascale_jax import gradients
 from megascale_jax.config import Config, DType
+from megascale_jax.config_checks import ConfigError
 from megascale_jax.model.attention import resolve_attention_impl
 from megascale_jax.model.moe.experts import resolve_grouped_gemm
 from megascale_jax.model.transformer import Kernels, Transformer
@@ -39,6 +40,7 @@ from megascale_jax.parallel import grad_comm
 from megascale_jax.parallel.collectives import varying_axes
 from megascale_jax.parallel.layouts import Layout, make_layout
 from megascale_jax.parallel.plan import DATA, INTRA, PIPE, FFNPlan, ParallelPlan, PlanKind
+from megascale_jax.parallel.ring_attention import AttentionExchange
 from megascale_jax.parallel.zero import OptimizerSharding, Zero1
 
 DTYPES = {DType.FLOAT32: jnp.float32, DType.BFLOAT16: jnp.bfloat16}
@@ -53,9 +55,14 @@ def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
     backend, compute = jax.default_backend(), DTYPES[cfg.train.compute_dtype]
     tp_experts = plan.kind == PlanKind.MANUAL and plan.ffn == FFNPlan.TP
     ffn = cfg.model.moe.expert_ffn // (plan.intra if tp_experts else 1)
+    exchange = cfg.kernels.attention_exchange
+    if exchange == AttentionExchange.MOSAIC and (backend != "gpu" or compute not in (jnp.bfloat16, jnp.float16)):
+        raise ConfigError(f"config.kernels.attention_exchange='mosaic' is a Mosaic GPU kernel for bf16/f16 compute; "
+                          f"this run has backend {backend!r} and compute_dtype {cfg.train.compute_dtype!r}: use 'ring'")
     return Kernels(attention=resolve_attention_impl(cfg.kernels.attention, backend=backend, compute_dtype=compute),
                    grouped_gemm=resolve_grouped_gemm(cfg.kernels.grouped_gemm, backend=backend, dtype=compute,
-                                                     dim=cfg.model.hidden, ffn=ffn))
+                                                     dim=cfg.model.hidden, ffn=ffn),
+                   attention_exchange=exchange)
 
 
 def new_model(cfg: Config, kernels: Kernels = Kernels()) -> Transformer:
@@ -199,7 +206,7 @@ def build(cfg: Config, devices=None) -> Trainer:
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     layout = make_layout(plan, num_heads=cfg.model.num_heads, num_experts=cfg.model.moe.num_experts,
                          moe_layer=cfg.parallel.moe_layer, remat=cfg.train.remat,
-                         overlap_chunks=cfg.parallel.overlap_chunks)
+                         overlap_chunks=cfg.parallel.overlap_chunks, attention_exchange=kernels.attention_exchange)
     return Trainer(cfg, plan, mesh, kernels, graphdef, layout, updater, shardings, abstract)
 
 

@@ -34,6 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, epilogue_smem, fit_smem, fit_tiling,
                                            store_rows, swizzle_transforms)
+from pallas_kernels.varying import vary_like
 
 __all__ = ["gemm_all_to_all", "gemm_all_to_all_reference", "default_tiling"]
 
@@ -160,7 +161,7 @@ def gemm_all_to_all(x_MD, w_NDF, *, axis, tiling: GemmTiling | None = None, exch
     cfg = _validate(x_MD, w_NDF, tiling)
     sms = num_sms or (_INTERPRET_NUM_SMS if interpret else jax.devices()[0].core_count)
     if not exchange:
-        return _launch(x_MD, w_NDF, cfg, axis, False, sms, interpret)
+        return vary_like(_launch(x_MD, w_NDF, cfg, axis, False, sms, interpret), x_MD, w_NDF)
     if interpret:
         raise ValueError("gemm_all_to_all(interpret=True) needs exchange=False: the interpreter has no "
                          "semaphores or remote refs")
@@ -172,7 +173,8 @@ def gemm_all_to_all(x_MD, w_NDF, *, axis, tiling: GemmTiling | None = None, exch
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _exchanged(x_MD, w_NDF, cfg, axis, num_sms):
-    return _launch(x_MD, w_NDF, cfg, axis, True, num_sms, False)
+    # typed as varying along the inputs' axes (a Pallas call's outputs come back typed replicated)
+    return vary_like(_launch(x_MD, w_NDF, cfg, axis, True, num_sms, False), x_MD, w_NDF)
 
 
 def _exchanged_fwd(x_MD, w_NDF, cfg, axis, num_sms):

@@ -14,7 +14,7 @@ which it then runs per slice of heads); the projection arithmetic never changes.
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 from enum import StrEnum
 
 import jax
@@ -85,34 +85,60 @@ class Attention(nnx.Module):
             w.update(q_norm=self.q_norm.scale[...], k_norm=self.k_norm.scale[...])
         return w
 
-    def _project(self, x_BSD, w, q_heads=None, kv_heads=None):
-        """q, k, v in the compute dtype: projections (+ biases), per-head RMSNorm of q and k (RoPE follows).
-        `w`: `qkv_weights()`; `q_heads` / `kv_heads`: int arrays of the heads to compute (None: all)."""
-        pick = lambda a, heads, axis: a if heads is None else jnp.take(a, heads, axis=axis)  # noqa: E731
-        q, k, v = project_qkv(x_BSD, pick(w["wq"], q_heads, 1), pick(w["wk"], kv_heads, 1), pick(w["wv"], kv_heads, 1))
+    @staticmethod
+    def qkv_columns(w, q_heads=None, kv_heads=None):
+        """wq / wk / wv of the heads `q_heads` / `kv_heads` (int arrays; None: all): what the projection GEMMs read."""
+        pick = lambda a, heads: a if heads is None else jnp.take(a, heads, axis=1)  # noqa: E731
+        return pick(w["wq"], q_heads), pick(w["wk"], kv_heads), pick(w["wv"], kv_heads)
+
+    def finish_qkv(self, positions_BS, q, k, v, w, q_heads=None, kv_heads=None):
+        """The projection GEMMs' outputs (of those heads) -> q, k, v as the core reads them: + biases, per-head
+        RMSNorm of q and k, RoPE at the rows' global positions; the tensors the remat policies call 'qkv'.
+        Per token and head, so it may run before or after a sequence <-> heads exchange."""
+        pick = lambda a, heads: a if heads is None else jnp.take(a, heads, axis=0)  # noqa: E731
         if self.qkv_bias:
-            dt = x_BSD.dtype
-            q, k, v = (q + pick(w["q_bias"], q_heads, 0).astype(dt), k + pick(w["k_bias"], kv_heads, 0).astype(dt),
-                       v + pick(w["v_bias"], kv_heads, 0).astype(dt))
+            dt = q.dtype
+            q, k, v = (q + pick(w["q_bias"], q_heads).astype(dt), k + pick(w["k_bias"], kv_heads).astype(dt),
+                       v + pick(w["v_bias"], kv_heads).astype(dt))
         if self.qk_norm:   # RMSNorm's arithmetic on the explicit scales
             q, k = rms_norm(q, w["q_norm"], self.q_norm.eps), rms_norm(k, w["k_norm"], self.k_norm.eps)
-        return q, k, v
-
-    def project_rope(self, positions_BS, x_BSD, w, q_heads=None, kv_heads=None):
-        """`_project`, then RoPE at the rows' global positions; the tensors the remat policies call 'qkv'."""
-        q, k, v = self._project(x_BSD, w, q_heads, kv_heads)
         q, k = rope(q, positions_BS, self.rope_theta), rope(k, positions_BS, self.rope_theta)
         return checkpoint_name(q, "qkv"), checkpoint_name(k, "qkv"), checkpoint_name(v, "qkv")
+
+    def project_rope(self, positions_BS, x_BSD, w, q_heads=None, kv_heads=None):
+        """q, k, v in the compute dtype of the heads `q_heads` / `kv_heads` (None: all): the projection GEMMs,
+        then `finish_qkv`. `w`: `qkv_weights()`."""
+        q, k, v = project_qkv(x_BSD, *self.qkv_columns(w, q_heads, kv_heads))
+        return self.finish_qkv(positions_BS, q, k, v, w, q_heads, kv_heads)
 
     def __call__(self, x_BSD, comm):
         """`comm`: the layout's attention strategy (parallel/layouts.py). It owns the communication around the
         core and may own the projection GEMMs (tiled by rank, as a fused GEMM+A2A / A2A+GEMM does), so it gets
-        them as pure functions of explicit weights; unfused it calls each once on all heads."""
+        them as pure functions of explicit weights (`QKVProjection`); unfused it calls each once on all heads."""
         x_BSD = comm.attention_input(x_BSD)
-        project = functools.partial(self.project_rope, comm.positions(x_BSD))
+        project = QKVProjection(self, comm.positions(x_BSD))
         q, k, v = comm.project_heads_in(x_BSD, project, self.qkv_weights())
         out = attention_core(q, k, v, self.implementation)
         return comm.project_heads_out(out, project_out_heads, self.wo_HKD[...])
+
+
+@dataclasses.dataclass(frozen=True)
+class QKVProjection:
+    """The q/k/v projection an attention strategy runs. A call `project(x, w, q_heads, kv_heads)` is all of it at
+    the strategy's own rows (`positions_BS`); `columns` and `finish` are its two halves, for a strategy whose
+    GEMM is a kernel of its own that also moves the result (pallas_kernels/gemm_all_to_all.py): it finishes
+    the received rows at their positions."""
+    attention: Attention
+    positions_BS: jax.Array
+
+    def __call__(self, x_BSD, w, q_heads=None, kv_heads=None):
+        return self.attention.project_rope(self.positions_BS, x_BSD, w, q_heads, kv_heads)
+
+    def columns(self, w, q_heads=None, kv_heads=None):
+        return self.attention.qkv_columns(w, q_heads, kv_heads)
+
+    def finish(self, positions_BS, q, k, v, w, q_heads=None, kv_heads=None):
+        return self.attention.finish_qkv(positions_BS, q, k, v, w, q_heads, kv_heads)
 
 
 def project_qkv(x_BSD, wq_DHK, wk_DGK, wv_DGK):

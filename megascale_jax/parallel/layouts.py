@@ -152,9 +152,15 @@ class UlyssesAttention(LocalAttention):
 @dataclasses.dataclass(frozen=True)
 class RingUlyssesAttention(UlyssesAttention):
     """SP with the all-to-alls fused into the projections: GEMM+A2A and A2A+GEMM as n point-to-point steps,
-    each projecting one peer rank's slice of heads (parallel/ring_attention.py)."""
+    each projecting one peer rank's slice of heads (parallel/ring_attention.py); `exchange='mosaic'` runs the
+    GEMM+A2A as one kernel that stores each tile into its destination (pallas_kernels/gemm_all_to_all.py)."""
+    exchange: str = ring_attention.AttentionExchange.RING
 
     def project_heads_in(self, x_BSD, project, w):
+        if self.exchange == ring_attention.AttentionExchange.MOSAIC:
+            from pallas_kernels.gemm_all_to_all import gemm_all_to_all   # GPU kernels load only where used
+            return ring_attention.project_seq_to_heads_by_kernel(x_BSD, project, w, axis=self.axis,
+                                                                 num_heads=self.num_heads, exchange=gemm_all_to_all)
         return ring_attention.project_seq_to_heads(x_BSD, project, w, axis=self.axis, num_heads=self.num_heads)
 
     def project_heads_out(self, out, project_out, wo):
@@ -350,12 +356,13 @@ def local_layout(num_experts: int, capacity_factor: float = 0.0) -> Layout:
 
 
 def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int, moe_layer: str = MoELayer.AUTODIFF,
-                remat: str = "none", overlap_chunks: int = 1) -> Layout:
+                remat: str = "none", overlap_chunks: int = 1, attention_exchange: str = "ring") -> Layout:
     """The layout `plan` calls for. Per device (manual plan or pipeline) reductions go over the mesh; the
     SP / TP / EP strategies exist only under the manual plan (under XLA the compiler communicates).
     moe_layer='macro' adds the macro block (parallel/overlap.py), which then owns the MoE blocks' remat;
     'fused' swaps the all_gather dispatcher for its ring schedule (parallel/ring_dispatch.py) and Ulysses SP
-    attention for its fused GEMM+A2A / A2A+GEMM schedule (parallel/ring_attention.py; TP attention stays)."""
+    attention for its fused GEMM+A2A / A2A+GEMM schedule (parallel/ring_attention.py; TP attention stays),
+    whose GEMM+A2A moves its tiles as `attention_exchange` says (ring_attention.AttentionExchange)."""
     layout = _plain_layout(plan, num_heads=num_heads, num_experts=num_experts)
     if moe_layer == MoELayer.AUTODIFF:
         return layout
@@ -366,7 +373,8 @@ def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int, moe_lay
                              "or moe_layer='autodiff'.")
         attention = layout.attention
         if type(attention) is UlyssesAttention:
-            attention = RingUlyssesAttention(num_heads=attention.num_heads, axis=attention.axis)
+            attention = RingUlyssesAttention(num_heads=attention.num_heads, axis=attention.axis,
+                                             exchange=attention_exchange)
         ffn = RingAllGatherDispatch(layout.ffn.num_experts)
         return dataclasses.replace(layout, attention=attention, ffn=ffn)
     if not plan.per_device or isinstance(layout.ffn, TensorParallelDispatch):

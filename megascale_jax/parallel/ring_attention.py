@@ -34,13 +34,21 @@ Same results as UlyssesAttention (tests/parallel/test_ring_attention.py: fp32 to
 """
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from megascale_jax.parallel import collectives
+
+class AttentionExchange(StrEnum):
+    """How the fused schedule's GEMM+A2A moves its tiles (`kernels.attention_exchange`)."""
+    RING = "ring"       # `project_seq_to_heads`: n point-to-point sends (ppermute), each after its step's GEMM
+    MOSAIC = "mosaic"   # `project_seq_to_heads_by_kernel` with pallas_kernels/gemm_all_to_all.py (GPU, bf16/f16)
+
 
 # project(x_BSD, w, q_heads, kv_heads) -> (q_BSHK, k_BSGK, v_BSGK) of those heads (int arrays; None: all)
 ProjectFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
@@ -65,6 +73,33 @@ def project_seq_to_heads(x_BSD, project: ProjectFn, w: Any, *, axis, num_heads: 
         blocks.append(qkv if j == 0 else collectives.ring_pass(qkv, axis, shift=j))
     chunk_order = (rank - jnp.arange(n)) % n   # the block that holds sequence chunk s
     q, k, v = (_in_sequence_order([b[i] for b in blocks], chunk_order) for i in range(3))
+    return q, layout.local_kv(k, rank), layout.local_kv(v, rank)
+
+
+def project_seq_to_heads_by_kernel(x_BSD, project, w: Any, *, axis, num_heads: int, exchange: Callable):
+    """GEMM+A2A as one kernel (`exchange`: pallas_kernels/gemm_all_to_all.py's `gemm_all_to_all`, or its twin
+    `gemm_all_to_all_reference` where the kernel cannot run): the projection columns of every destination rank
+    stacked [n, D, C] (its q heads, then its kv slots for k and for v), x @ those columns stored by the kernel
+    straight into each destination at the sender's slot; the receiver then adds biases / norms / RoPE at the
+    received rows' global positions (`project.finish`, per token and head, so after the exchange is the same
+    arithmetic). Same results as `project_seq_to_heads`; the same bytes in one exchange."""
+    n, rank = lax.axis_size(axis), lax.axis_index(axis)
+    batch, chunk, dim = x_BSD.shape
+    w = jax.tree.map(lambda a: collectives.vary_like(a, x_BSD), w)   # one weight-gradient reduction, as above
+    num_kv = w["wk"].shape[1]
+    layout = collectives.kv_head_layout(num_heads, num_kv, n)
+    q_heads_NQ = np.arange(num_heads).reshape(n, num_heads // n)
+    per_dest = [jnp.concatenate(project.columns(w, q_heads_NQ[p], layout.slot_heads_NS[p]), axis=1) for p in range(n)]
+    heads, head_dim = per_dest[0].shape[1:]                          # Q + 2 S head columns of K each
+    w_NDC = jnp.stack([c.reshape(dim, heads * head_dim) for c in per_dest]).astype(x_BSD.dtype)
+    recv_NMC = exchange(x_BSD.reshape(batch * chunk, dim), w_NDC, axis=axis)   # recv[s]: rank s's chunk
+    qkv = jnp.moveaxis(recv_NMC.reshape(n, batch, chunk, heads, head_dim), 0, 1).reshape(
+        batch, n * chunk, heads, head_dim)                           # chunk s at its sequence position
+    q_count, slots = q_heads_NQ.shape[1], layout.slot_heads_NS.shape[1]
+    q, k, v = qkv[:, :, :q_count], qkv[:, :, q_count:q_count + slots], qkv[:, :, q_count + slots:]
+    positions = jnp.broadcast_to(jnp.arange(n * chunk, dtype=jnp.int32), (batch, n * chunk))
+    q, k, v = project.finish(positions, q, k, v, w, jnp.asarray(q_heads_NQ)[rank],
+                             jnp.asarray(layout.slot_heads_NS)[rank])
     return q, layout.local_kv(k, rank), layout.local_kv(v, rank)
 
 

@@ -150,5 +150,36 @@ def test_gpus_exchange_equals_the_twin_forward_and_gradients():
         np.testing.assert_allclose(_f32(a), _f32(b), rtol=2e-2, atol=2e-2)
 
 
-if __name__ == "__main__":   # the compile-only report, run in a subprocess by the test above
-    print(json.dumps(_exchange_compile_report(sys.argv[1])))
+def _fused_block_compile_report() -> dict:
+    """Compile only, 8 mock GPUs (data 2 x intra 4): a MoE block's forward + backward with
+    parallel.moe_layer='fused' and kernels.attention_exchange='mosaic' (bf16 activations, the expert GEMMs
+    in XLA so that the only Mosaic kernel is this one)."""
+    jax.config.update("jax_mock_gpu_topology", "1x8x1")
+    jax.config.update("jax_cuda_visible_devices", "0")
+    from megascale_jax.model.transformer import Kernels
+    from tests.parallel.test_overlap_schedule import block_step_hlo
+    shape = {"model.hidden": 256, "model.num_heads": 8, "model.num_kv_heads": 2, "model.head_dim": 64,
+             "model.moe.expert_ffn": 256, "model.moe.num_experts": 8, "model.max_seq_len": 512, "train.seq_len": 512}
+    hlo = block_step_hlo(dispatch="all_gather", chunks=1, remat="none", moe_layer="fused", shape=shape, batch=2,
+                         seq=512, dtype="bfloat16",
+                         kernels=Kernels(attention="cudnn", grouped_gemm="xla", attention_exchange="mosaic"))
+    return {"mosaic_calls": hlo.count("mosaic_gpu"),
+            "collective_metadata": re.search(r"uses_xla_collective_metadata\W+true", hlo) is not None}
+
+
+@pytest.mark.gpu
+def test_gpu_fused_block_with_the_mosaic_exchange_compiles_for_8_gpus():
+    """The model path (layouts' RingUlyssesAttention(exchange='mosaic') -> ring_attention's kernel schedule ->
+    this kernel) lowers inside the per-device step's shard_map with its typing, forward and backward."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "block"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["mosaic_calls"] >= 1 and report["collective_metadata"], report
+
+
+if __name__ == "__main__":   # the compile-only reports, run in a subprocess by the tests above
+    report = _fused_block_compile_report() if sys.argv[1] == "block" else _exchange_compile_report(sys.argv[1])
+    print(json.dumps(report))

@@ -42,9 +42,11 @@ def block_step_hlo(*, dispatch, chunks, remat, moe_layer="macro", shape=SMALL, b
     cfg = default_config("tiny_cpu", num_devices=1, **shape)
     plan = ParallelPlan(2, 1, intra, "manual", "sp", "ep", dispatch, 0.0)
     mesh = plan.make_mesh(devices)
+    kernels = kernels or Kernels()
     layout = make_layout(plan, num_heads=cfg.model.num_heads, num_experts=cfg.model.moe.num_experts,
-                         moe_layer=moe_layer, remat=remat, overlap_chunks=chunks)
-    block = nnx.eval_shape(lambda: Block(cfg.model, True, jnp.float32, kernels or Kernels(), nnx.Rngs(3)))
+                         moe_layer=moe_layer, remat=remat, overlap_chunks=chunks,
+                         attention_exchange=kernels.attention_exchange)
+    block = nnx.eval_shape(lambda: Block(cfg.model, True, jnp.float32, kernels, nnx.Rngs(3)))
     graphdef, params = nnx.split(block)
     specs = jax.tree.map(lambda s: plan.param_spec(tuple(s)), nnx.get_partition_spec(params),
                          is_leaf=lambda x: isinstance(x, P))

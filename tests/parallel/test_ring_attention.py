@@ -4,6 +4,8 @@ shard_map on 8 devices (GQA kv layouts incl. G < n and local expansion; values, 
 bytes per collective kind), and loss + every gradient of a 2-layer
 model against the unfused SP+EP plan (GQA with 2 kv heads, q/k/v biases and qk-norm at intra 4; MHA at intra 8),
 in fp32 and bf16."""
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -155,3 +157,46 @@ def test_a2a_gemm_backward_keeps_bf16_operands():
     walk(jaxpr.jaxpr)
     assert len(dots) >= 3 * N, dots   # forward + dgrad + wgrad per step
     assert all(a == b == "bfloat16" for a, b in dots), dots
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(8, 2), (24, 6), (16, 16)])
+def test_kernel_schedule_equals_the_ring_schedule(num_q_heads, num_kv_heads):
+    """GEMM+A2A as one kernel (`project_seq_to_heads_by_kernel`), here with the kernel's twin (einsum +
+    all_to_all: the kernel needs a GPU per rank), through a real Attention's projection (biases, q/k norms,
+    RoPE after the exchange at the received rows' positions) == the ring schedule: q/k/v and the VJP in x
+    and every weight."""
+    from types import SimpleNamespace
+    from flax import nnx
+    from megascale_jax.model.attention import Attention, QKVProjection
+    from megascale_jax.parallel.layouts import UlyssesAttention
+    from pallas_kernels.gemm_all_to_all import gemm_all_to_all_reference
+
+    B, S, D, K = 2, 16, 8, 4
+    m = SimpleNamespace(hidden=D, num_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=K, qkv_bias=True,
+                        qk_norm=True, norm_eps=1e-6, rope_theta=10000.0)
+    attn = Attention(m, jnp.float32, nnx.Rngs(0))
+    w = {name: _normal(20 + i, a.shape) for i, (name, a) in enumerate(sorted(attn.qkv_weights().items()))}
+    mesh = jax.make_mesh((N,), ("x",), axis_types=(AxisType.Explicit,))
+    comm = UlyssesAttention(num_heads=num_q_heads, axis="x")
+
+    def body(by_kernel, x, w):
+        project = QKVProjection(attn, comm.positions(x))
+        if by_kernel:
+            return ring_attention.project_seq_to_heads_by_kernel(x, project, w, axis="x", num_heads=num_q_heads,
+                                                                 exchange=gemm_all_to_all_reference)
+        return ring_attention.project_seq_to_heads(x, project, w, axis="x", num_heads=num_q_heads)
+
+    seq, heads = P(None, "x"), P(None, None, "x")
+    w_specs = jax.tree.map(lambda _: P(), w)
+    x = jax.reshard(_normal(0, (B, S, D)), NamedSharding(mesh, seq))
+    w = jax.tree.map(lambda a: jax.reshard(a, NamedSharding(mesh, P())), w)
+    results = {}
+    for by_kernel in (True, False):
+        f = jax.shard_map(functools.partial(body, by_kernel), mesh=mesh, in_specs=(seq, w_specs),
+                          out_specs=(heads, heads, heads))
+        def outputs_and_grads(x, w, f=f):
+            out, vjp = jax.vjp(f, x, w)
+            return out, vjp(jax.tree.map(lambda a: jnp.cos(a) + 0.5, out))
+        results[by_kernel] = jax.jit(outputs_and_grads)(x, w)
+    for got, want in zip(jax.tree.leaves(results[True]), jax.tree.leaves(results[False])):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
