@@ -51,6 +51,7 @@ def main():
         ref = np.asarray(fns["xla_dot"](a, b)[:256].astype(jnp.float32))
         times, errors = {name: [] for name in fns}, {}
         for name, fn in fns.items():
+            print(label, name, "compiling and checking", flush=True)   # a hang can then be placed
             try:
                 y = fn(a, b)
                 got = np.asarray(y[:256].astype(jnp.float32))

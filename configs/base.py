@@ -69,6 +69,9 @@ def get_config() -> ConfigDict:
     # hand so each collective runs beside independent compute (parallel/overlap.py; manual plan).
     c.parallel.moe_layer = "autodiff"
     c.parallel.overlap_chunks = 1     # macro layer: the forward token exchange in this many chunks (pipelined)
+    # moe_layer='fused' with SP attention: its GEMM+A2A as ring (ppermute steps) | mosaic (one Mosaic GPU kernel
+    # storing each tile into its destination; bf16 on GPU; not yet run on several GPUs, so never chosen for you)
+    c.parallel.attention_exchange = "ring"
     # none: optimizer state sharded like the parameters. zero1: optimizer state sharded over `data`.
     c.parallel.optimizer_sharding = "none"
     # Data-parallel gradient exchange: fp32 (compiler all-reduce / reduce-scatter) | bf16 | fp8 on the wire,
@@ -78,9 +81,6 @@ def get_config() -> ConfigDict:
     c.kernels = ConfigDict()          # resolved once when the model is built (megascale_jax/step.py)
     c.kernels.grouped_gemm = "auto"   # xla (lax.ragged_dot) | pallas (Mosaic GPU kernel) | auto
     c.kernels.attention = "auto"      # xla | cudnn | auto (cudnn on GPU with bf16)
-    # parallel.moe_layer='fused' only: ring (ppermute steps) | mosaic (one GEMM+A2A kernel, GPU; not yet run on
-    # several GPUs, so never chosen for you)
-    c.kernels.attention_exchange = "ring"
 
     c.train = ConfigDict()
     c.train.steps = 100

@@ -75,6 +75,7 @@ class ParallelConfig:
     dispatch_dtype: str
     moe_layer: str
     overlap_chunks: int
+    attention_exchange: str
     optimizer_sharding: str
     grad_comm: str
 
@@ -83,7 +84,6 @@ class ParallelConfig:
 class KernelConfig:
     grouped_gemm: str
     attention: str
-    attention_exchange: str
 
 
 @dataclasses.dataclass(frozen=True)

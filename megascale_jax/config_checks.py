@@ -46,7 +46,7 @@ CHOICES = {
     "parallel.grad_comm": _values(GradComm), "parallel.dispatch_dtype": _values(DispatchDType),
     "parallel.moe_layer": _values(MoELayer), "model.tied_head_scale": _values(TiedHeadScale),
     "kernels.grouped_gemm": _values(GroupedGemmImpl), "kernels.attention": _values(AttentionImpl),
-    "kernels.attention_exchange": _values(AttentionExchange),
+    "parallel.attention_exchange": _values(AttentionExchange),
     "model.attention_kind": _values(AttentionKind), "model.moe.router_kind": _values(RouterKind),
     "train.remat": _values(Remat), "train.nonfinite": _values(NonFinite), "train.param_dtype": _values(DType), "train.compute_dtype": _values(DType),
     "data.source": tuple(data_lib.SOURCE_KINDS), "data.dtype": tuple(data_lib.TOKEN_FILE_DTYPES),
@@ -210,10 +210,10 @@ def _validate_moe_layer(cfg) -> None:
                and p.intra > 1, "config.parallel.moe_layer='fused' runs the all_gather dispatch (and SP attention) as ring steps: it "
                f"needs plan='manual', ffn='ep', ep_dispatch='all_gather' and intra > 1 (got plan={p.plan!r}, "
                f"ffn={p.ffn!r}, ep_dispatch={p.ep_dispatch!r}, intra={p.intra}).")
-    _check(cfg.kernels.attention_exchange == AttentionExchange.RING or
-           (p.moe_layer == MoELayer.FUSED and p.attention == AttentionPlan.SP),
-           f"config.kernels.attention_exchange={cfg.kernels.attention_exchange!r} is the fused schedule's GEMM+A2A: "
-           "it needs parallel.moe_layer='fused' with attention='sp'; set it to 'ring' otherwise.")
+    _check(p.attention_exchange == AttentionExchange.RING or (p.moe_layer == MoELayer.FUSED and
+                                                               p.attention == AttentionPlan.SP),
+           f"config.parallel.attention_exchange={p.attention_exchange!r} is the fused schedule's GEMM+A2A: it "
+           "needs parallel.moe_layer='fused' with attention='sp'; set it to 'ring' otherwise.")
     if p.moe_layer != MoELayer.MACRO:
         return
     e, t = cfg.model.moe, cfg.train

@@ -55,14 +55,18 @@ def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
     backend, compute = jax.default_backend(), DTYPES[cfg.train.compute_dtype]
     tp_experts = plan.kind == PlanKind.MANUAL and plan.ffn == FFNPlan.TP
     ffn = cfg.model.moe.expert_ffn // (plan.intra if tp_experts else 1)
-    exchange = cfg.kernels.attention_exchange
-    if exchange == AttentionExchange.MOSAIC and (backend != "gpu" or compute not in (jnp.bfloat16, jnp.float16)):
-        raise ConfigError(f"config.kernels.attention_exchange='mosaic' is a Mosaic GPU kernel for bf16/f16 compute; "
-                          f"this run has backend {backend!r} and compute_dtype {cfg.train.compute_dtype!r}: use 'ring'")
     return Kernels(attention=resolve_attention_impl(cfg.kernels.attention, backend=backend, compute_dtype=compute),
                    grouped_gemm=resolve_grouped_gemm(cfg.kernels.grouped_gemm, backend=backend, dtype=compute,
-                                                     dim=cfg.model.hidden, ffn=ffn),
-                   attention_exchange=exchange)
+                                                     dim=cfg.model.hidden, ffn=ffn))
+
+
+def check_attention_exchange(cfg: Config) -> None:
+    """parallel.attention_exchange='mosaic' is a Mosaic GPU kernel: it needs a GPU backend and 16-bit compute,
+    which only the build (not the config check) can see."""
+    backend, compute = jax.default_backend(), DTYPES[cfg.train.compute_dtype]
+    if cfg.parallel.attention_exchange == AttentionExchange.MOSAIC and (backend != "gpu" or compute != jnp.bfloat16):
+        raise ConfigError(f"config.parallel.attention_exchange='mosaic' is a Mosaic GPU kernel for bf16 compute; "
+                          f"this run has backend {backend!r} and compute_dtype {cfg.train.compute_dtype!r}: use 'ring'")
 
 
 def new_model(cfg: Config, kernels: Kernels = Kernels()) -> Transformer:
@@ -180,6 +184,7 @@ def build(cfg: Config, devices=None) -> Trainer:
     plan = ParallelPlan.from_config(cfg)
     mesh = plan.make_mesh(devices)
     kernels = resolve_kernels(cfg, plan)
+    check_attention_exchange(cfg)
     abstract_model = nnx.eval_shape(lambda: new_model(cfg, kernels))
     graphdef, abstract_params = nnx.split(abstract_model)
     param_shardings = plan.param_shardings(nnx.get_partition_spec(abstract_params), mesh)
@@ -206,7 +211,8 @@ def build(cfg: Config, devices=None) -> Trainer:
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     layout = make_layout(plan, num_heads=cfg.model.num_heads, num_experts=cfg.model.moe.num_experts,
                          moe_layer=cfg.parallel.moe_layer, remat=cfg.train.remat,
-                         overlap_chunks=cfg.parallel.overlap_chunks, attention_exchange=kernels.attention_exchange)
+                         overlap_chunks=cfg.parallel.overlap_chunks,
+                         attention_exchange=cfg.parallel.attention_exchange)
     return Trainer(cfg, plan, mesh, kernels, graphdef, layout, updater, shardings, abstract)
 
 

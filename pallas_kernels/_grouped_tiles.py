@@ -20,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 NUM_COMPUTE_WGS = 2
+INTERPRET_NUM_SMS = 3  # a few simulated SMs exercise a persistent loop without 132 CPU threads
 SUPPORTED_IN_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit operand types
 SMEM_BUDGET = 227 * 1024 - 2048  # Hopper's per-block opt-in limit, less room for the pipeline barriers
 
@@ -281,6 +283,11 @@ def token_block_table(group_sizes_G, m: int, tile: int, method: str = "fused"):
 # ----------------------------------------------------------------------------------------------------
 # Helpers inside kernel bodies
 # ----------------------------------------------------------------------------------------------------
+def sm_count(interpret: bool) -> int:
+    """The persistent grid's size: the device's SMs, or INTERPRET_NUM_SMS in the CPU interpreter."""
+    return INTERPRET_NUM_SMS if interpret else jax.devices()[0].core_count
+
+
 def swizzle_transforms(minor_elems: int, dtype):
     swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
     elems = swizzle // jnp.dtype(dtype).itemsize

@@ -13,7 +13,10 @@ the node's GPUs; never NVLink multicast).
 Work order: the n destination steps run in order (unrolled: Mosaic builds a peer's TMA descriptor on the
 host, so the peer must be a function of the rank alone), step j sending to rank r + j, so at any moment the
 ranks write to distinct peers (no rank is every sender's target at once); inside a step the persistent loop
-over the SMs takes the (row tile, column tile) items in the grouped GEMM's band order. Completion: after its last store each
+over the SMs takes the (row tile, column tile) items in the grouped GEMM's band order. Known cost, not yet
+removed (it needs a GPU to check): each step's loop starts again at SM 0, so when a step has fewer items than
+SMs (Mixtral at n = 8: 96 items, 132 SMs) the last SMs idle in every step; one flat loop over all steps with a
+static branch per step (the peer stays a function of the rank) would balance them. Completion: after its last store each
 compute warpgroup of every CTA signals every rank's semaphore once; CTA 0 of each rank waits for all
 n x CTAs x 2 signals, so the kernel (and the receive buffer) is complete when it returns.
 
@@ -32,14 +35,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, epilogue_smem, fit_smem, fit_tiling,
-                                           store_rows, swizzle_transforms)
+from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, SUPPORTED_IN_DTYPES, GemmTiling, epilogue_smem,
+                                           fit_smem, fit_tiling, sm_count, store_rows, swizzle_transforms)
 from pallas_kernels.varying import vary_like
 
 __all__ = ["gemm_all_to_all", "gemm_all_to_all_reference", "default_tiling"]
-
-_INTERPRET_NUM_SMS = 3
-
 
 def default_tiling(f: int) -> GemmTiling:
     """The widest CTA tile along the per-destination columns F, 64-wide K steps four deep (the grouped
@@ -52,7 +52,7 @@ def _kernel(x_gmem, w_gmem, out_gmem, *, cfg: GemmTiling, axis, exchange: bool, 
     k = x_gmem.shape[1]
     m_iters, n_iters, k_iters = m // cfg.cta_m, f // cfg.cta_n, k // cfg.tile_k
     in_tf = swizzle_transforms(cfg.tile_k, x_gmem.dtype)
-    cur = {"mi": jnp.int32(0)}
+    cur = {"mi": jnp.int32(0)}   # set per work item; the x BlockSpec's index map reads it when traced
 
     def pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -124,7 +124,7 @@ def _validate(x_MD, w_NDF, cfg):
     (m, k), (_, k2, f) = x_MD.shape, w_NDF.shape
     if k != k2:
         raise ValueError(f"x_MD has D={k} but w_NDF has D={k2}; they must match")
-    if x_MD.dtype != w_NDF.dtype or x_MD.dtype not in (jnp.bfloat16, jnp.float16):
+    if x_MD.dtype != w_NDF.dtype or x_MD.dtype not in SUPPORTED_IN_DTYPES:
         raise ValueError(f"x_MD and w_NDF must share dtype bfloat16 or float16; got {x_MD.dtype} and {w_NDF.dtype}")
     cfg = cfg or default_tiling(f)
     for name, dim, tile in (("M (rows of x_MD)", m, cfg.cta_m), ("F (w_NDF dim 2)", f, cfg.cta_n),
@@ -153,28 +153,35 @@ def gemm_all_to_all_reference(x_MD, w_NDF, *, axis):
 
 def gemm_all_to_all(x_MD, w_NDF, *, axis, tiling: GemmTiling | None = None, exchange: bool = True,
                     num_sms: int | None = None, interpret: bool = False):
-    """`gemm_all_to_all_reference(x_MD, w_NDF, axis=axis)` as one kernel; call it inside
-    `shard_map(..., check_vma=False)` over a mesh that has `axis` (n = w_NDF.shape[0] ranks along it).
-    x_MD [M, D] bf16/f16, w_NDF [n, D, F] same dtype; M a multiple of the CTA tile's rows (128), F of its
-    columns, D of 64. `exchange=False` runs the compute side alone (out[p] = x @ w[p], no communication; the
-    only form the CPU interpreter can run). Differentiable: the backward is the twin's."""
+    """`gemm_all_to_all_reference(x_MD, w_NDF, axis=axis)` as one kernel, inside `shard_map` over a mesh that
+    has `axis` (n = w_NDF.shape[0] ranks along it; check_vma on or off), with one process driving all of the
+    mesh's GPUs. x_MD [M, D] bf16/f16, w_NDF [n, D, F] same dtype; M a multiple of the CTA tile's rows, F of
+    its columns (`default_tiling(F)`: 128 x 256 when 256 divides F, else 256 x 128), D of 64. Differentiable:
+    the backward is the twin's. `exchange=False` runs the compute side alone (out[p] = x @ w[p], no
+    communication, not differentiated; the only form the CPU interpreter can run)."""
     cfg = _validate(x_MD, w_NDF, tiling)
-    sms = num_sms or (_INTERPRET_NUM_SMS if interpret else jax.devices()[0].core_count)
     if not exchange:
-        return vary_like(_launch(x_MD, w_NDF, cfg, axis, False, sms, interpret), x_MD, w_NDF)
+        out = _launch(x_MD, w_NDF, cfg, axis, False, num_sms or sm_count(interpret), interpret)
+        return vary_like(out, x_MD, w_NDF)
     if interpret:
         raise ValueError("gemm_all_to_all(interpret=True) needs exchange=False: the interpreter has no "
                          "semaphores or remote refs")
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"gemm_all_to_all(exchange=True) is a Mosaic GPU kernel; the backend is "
+                         f"{jax.default_backend()!r}: use gemm_all_to_all_reference there")
+    if jax.process_count() > 1:   # not yet run that way (Mosaic reaches peers through XLA's collective metadata)
+        raise ValueError(f"gemm_all_to_all(exchange=True) needs one process driving all GPUs; this job has "
+                         f"{jax.process_count()} processes: use the ring exchange (parallel.attention_exchange='ring')")
     if w_NDF.shape[0] != lax.axis_size(axis):
         raise ValueError(f"w_NDF has {w_NDF.shape[0]} destinations but axis {axis!r} has "
                          f"{lax.axis_size(axis)} ranks; they must match")
-    return _exchanged(x_MD, w_NDF, cfg, axis, sms)
+    return _exchanged(x_MD, w_NDF, cfg, axis, num_sms or sm_count(False))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _exchanged(x_MD, w_NDF, cfg, axis, num_sms):
-    # typed as varying along the inputs' axes (a Pallas call's outputs come back typed replicated)
-    return vary_like(_launch(x_MD, w_NDF, cfg, axis, True, num_sms, False), x_MD, w_NDF)
+    # typed as varying along the inputs' axes and `axis` (a Pallas call's outputs come back typed replicated)
+    return vary_like(_launch(x_MD, w_NDF, cfg, axis, True, num_sms, False), x_MD, w_NDF, axes=(axis,))
 
 
 def _exchanged_fwd(x_MD, w_NDF, cfg, axis, num_sms):

@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedGemmTuning, check_dtypes,
                                            check_group_sizes, check_tiling, check_tuning_enums,
                                            default_kernel_tuning, default_tuning, epilogue_smem, fit_ragged_tiling,
-                                           fit_smem, mask_token_rows, row_tile_table, store_rows,
+                                           fit_smem, mask_token_rows, row_tile_table, sm_count, store_rows,
                                            swizzle_transforms, token_block_table)
 from pallas_kernels.grouped_gemm_reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
                                                    grouped_gemm_wgrad_reference)
@@ -39,8 +39,6 @@ from pallas_kernels.varying import match_varying, vary_like
 __all__ = ["GemmTiling", "GroupedGemmTuning", "default_tuning", "unsupported_reason", "grouped_gemm",
            "grouped_gemm_dgrad", "grouped_gemm_wgrad", "grouped_gemm_reference",
            "grouped_gemm_dgrad_reference", "grouped_gemm_wgrad_reference"]
-
-_INTERPRET_NUM_SMS = 3  # a few simulated SMs exercise the persistent loop without 132 CPU threads
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -221,7 +219,7 @@ def _launch(body, out_shape, out_dtype, num_sms, interpret, *operands):
 def _num_sms(tuning: GroupedGemmTuning, interpret: bool) -> int:
     if tuning.num_sms is not None:
         return tuning.num_sms
-    return _INTERPRET_NUM_SMS if interpret else jax.devices()[0].core_count
+    return sm_count(interpret)
 
 
 def ragged_launch(x, w, table, num_valid, out_dtype, cfg, transpose_w, num_sms, interpret):

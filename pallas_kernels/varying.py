@@ -25,10 +25,11 @@ def varying_axes(x) -> frozenset:
     return frozenset(mat.varying) if mat is not None else frozenset()
 
 
-def vary_like(out, *inputs):
+def vary_like(out, *inputs, axes=()):
     """`out` typed as varying along every mesh axis its inputs vary along (the standard rule for an
-    elementwise-like dependence); a no-op outside shard_map or when it already is."""
-    axes = frozenset().union(*(varying_axes(a) for a in inputs)) - varying_axes(out)
+    elementwise-like dependence) and along `axes` (a collective's output differs between the ranks of its
+    axis even for replicated inputs); a no-op outside shard_map or when it already is."""
+    axes = frozenset(axes).union(*(varying_axes(a) for a in inputs)) - varying_axes(out)
     return lax.pcast(out, tuple(sorted(axes)), to="varying") if axes else out
 
 

@@ -44,7 +44,7 @@ def test_base_config_keys_all_reach_the_dataclasses():
       "model.hidden": 96, "train.seq_len": 96}, "num_experts"),
     ({"data.source": "tokens"}, "data.path"),
     ({"model.num_dense_layers": 2}, "num_dense_layers"),
-    ({"kernels.attention_exchange": "nccl"}, "kernels.attention_exchange"),
+    ({"parallel.attention_exchange": "nccl"}, "parallel.attention_exchange"),
 ])
 def test_bad_values_raise_clear_errors(overrides, needle):
     with pytest.raises(ConfigError, match=needle):

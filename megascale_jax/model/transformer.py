@@ -79,7 +79,6 @@ class Kernels:
     """Resolved kernel implementations (never 'auto'): attention core and expert grouped GEMM."""
     attention: str = "xla"        # model/attention.py AttentionImpl
     grouped_gemm: str = "xla"     # model/moe/experts.py GroupedGemmImpl
-    attention_exchange: str = "ring"   # parallel/ring_attention.py AttentionExchange (moe_layer='fused' only)
 
 
 class Block(nnx.Module):

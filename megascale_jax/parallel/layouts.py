@@ -157,11 +157,8 @@ class RingUlyssesAttention(UlyssesAttention):
     exchange: str = ring_attention.AttentionExchange.RING
 
     def project_heads_in(self, x_BSD, project, w):
-        if self.exchange == ring_attention.AttentionExchange.MOSAIC:
-            from pallas_kernels.gemm_all_to_all import gemm_all_to_all   # GPU kernels load only where used
-            return ring_attention.project_seq_to_heads_by_kernel(x_BSD, project, w, axis=self.axis,
-                                                                 num_heads=self.num_heads, exchange=gemm_all_to_all)
-        return ring_attention.project_seq_to_heads(x_BSD, project, w, axis=self.axis, num_heads=self.num_heads)
+        return ring_attention.project_seq_to_heads_via(self.exchange, x_BSD, project, w, axis=self.axis,
+                                                       num_heads=self.num_heads)
 
     def project_heads_out(self, out, project_out, wo):
         return ring_attention.project_heads_to_seq(out, project_out, wo, axis=self.axis)

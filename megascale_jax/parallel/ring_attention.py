@@ -44,8 +44,9 @@ from jax import lax
 
 from megascale_jax.parallel import collectives
 
+
 class AttentionExchange(StrEnum):
-    """How the fused schedule's GEMM+A2A moves its tiles (`kernels.attention_exchange`)."""
+    """How the fused schedule's GEMM+A2A moves its tiles (`parallel.attention_exchange`)."""
     RING = "ring"       # `project_seq_to_heads`: n point-to-point sends (ppermute), each after its step's GEMM
     MOSAIC = "mosaic"   # `project_seq_to_heads_by_kernel` with pallas_kernels/gemm_all_to_all.py (GPU, bf16/f16)
 
@@ -76,13 +77,23 @@ def project_seq_to_heads(x_BSD, project: ProjectFn, w: Any, *, axis, num_heads: 
     return q, layout.local_kv(k, rank), layout.local_kv(v, rank)
 
 
+def project_seq_to_heads_via(exchange: str, x_BSD, project, w: Any, *, axis, num_heads: int):
+    """GEMM+A2A moved as `exchange` (AttentionExchange) says."""
+    if exchange == AttentionExchange.MOSAIC:
+        from pallas_kernels.gemm_all_to_all import gemm_all_to_all   # GPU kernels load only where used
+        return project_seq_to_heads_by_kernel(x_BSD, project, w, axis=axis, num_heads=num_heads,
+                                              exchange=gemm_all_to_all)
+    return project_seq_to_heads(x_BSD, project, w, axis=axis, num_heads=num_heads)
+
+
 def project_seq_to_heads_by_kernel(x_BSD, project, w: Any, *, axis, num_heads: int, exchange: Callable):
     """GEMM+A2A as one kernel (`exchange`: pallas_kernels/gemm_all_to_all.py's `gemm_all_to_all`, or its twin
     `gemm_all_to_all_reference` where the kernel cannot run): the projection columns of every destination rank
     stacked [n, D, C] (its q heads, then its kv slots for k and for v), x @ those columns stored by the kernel
     straight into each destination at the sender's slot; the receiver then adds biases / norms / RoPE at the
-    received rows' global positions (`project.finish`, per token and head, so after the exchange is the same
-    arithmetic). Same results as `project_seq_to_heads`; the same bytes in one exchange."""
+    received rows' positions (`project.finish`, per token and head, so after the exchange is the same
+    arithmetic; the positions are the senders' own, gathered: B x S int32). Same results as
+    `project_seq_to_heads`; the same bytes in one exchange, plus the positions."""
     n, rank = lax.axis_size(axis), lax.axis_index(axis)
     batch, chunk, dim = x_BSD.shape
     w = jax.tree.map(lambda a: collectives.vary_like(a, x_BSD), w)   # one weight-gradient reduction, as above
@@ -97,7 +108,7 @@ def project_seq_to_heads_by_kernel(x_BSD, project, w: Any, *, axis, num_heads: i
         batch, n * chunk, heads, head_dim)                           # chunk s at its sequence position
     q_count, slots = q_heads_NQ.shape[1], layout.slot_heads_NS.shape[1]
     q, k, v = qkv[:, :, :q_count], qkv[:, :, q_count:q_count + slots], qkv[:, :, q_count + slots:]
-    positions = jnp.broadcast_to(jnp.arange(n * chunk, dtype=jnp.int32), (batch, n * chunk))
+    positions = collectives.gather_seq(project.positions_BS, axis)   # each received chunk's own positions
     q, k, v = project.finish(positions, q, k, v, w, jnp.asarray(q_heads_NQ)[rank],
                              jnp.asarray(layout.slot_heads_NS)[rank])
     return q, layout.local_kv(k, rank), layout.local_kv(v, rank)

@@ -24,7 +24,7 @@ GPU_SHAPE = {"model.hidden": 1024, "model.num_heads": 8, "model.num_kv_heads": 4
 
 
 def block_step_hlo(*, dispatch, chunks, remat, moe_layer="macro", shape=SMALL, batch=4, seq=16, dtype="float32",
-                   kernels=None):
+                   kernels=None, attention_exchange="ring"):
     """Compiled HLO text of one MoE block's forward + backward per device on all devices (data 2 x intra n/2
     on 8), SP attention + EP experts."""
     import jax
@@ -45,7 +45,7 @@ def block_step_hlo(*, dispatch, chunks, remat, moe_layer="macro", shape=SMALL, b
     kernels = kernels or Kernels()
     layout = make_layout(plan, num_heads=cfg.model.num_heads, num_experts=cfg.model.moe.num_experts,
                          moe_layer=moe_layer, remat=remat, overlap_chunks=chunks,
-                         attention_exchange=kernels.attention_exchange)
+                         attention_exchange=attention_exchange)
     block = nnx.eval_shape(lambda: Block(cfg.model, True, jnp.float32, kernels, nnx.Rngs(3)))
     graphdef, params = nnx.split(block)
     specs = jax.tree.map(lambda s: plan.param_spec(tuple(s)), nnx.get_partition_spec(params),

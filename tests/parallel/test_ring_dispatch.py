@@ -78,11 +78,11 @@ def test_fused_outside_the_all_gather_dispatch_is_a_config_error(extra, match):
 def test_the_mosaic_attention_exchange_needs_the_fused_sp_schedule_and_a_gpu():
     with pytest.raises(ConfigError, match="attention_exchange='mosaic' is the fused schedule"):
         default_config("tiny_cpu", num_devices=8, **{**COMMON, "parallel.intra": 4,
-                                                     "kernels.attention_exchange": "mosaic"})
+                                                     "parallel.attention_exchange": "mosaic"})
     cfg = default_config("tiny_cpu", num_devices=8, **{**COMMON, "parallel.intra": 4, "parallel.moe_layer": "fused",
-                                                       "kernels.attention_exchange": "mosaic"})
-    with pytest.raises(ConfigError, match="Mosaic GPU kernel for bf16/f16 compute; this run has backend 'cpu'"):
-        step.resolve_kernels(cfg, ParallelPlan.from_config(cfg))
-    layout = make_layout(ParallelPlan.from_config(cfg), num_heads=cfg.model.num_heads, num_experts=cfg.model.moe.num_experts,
-                         moe_layer="fused", attention_exchange="mosaic")
+                                                       "parallel.attention_exchange": "mosaic"})
+    with pytest.raises(ConfigError, match="Mosaic GPU kernel for bf16 compute; this run has backend 'cpu'"):
+        step.build(cfg)
+    layout = make_layout(ParallelPlan.from_config(cfg), num_heads=cfg.model.num_heads,
+                         num_experts=cfg.model.moe.num_experts, moe_layer="fused", attention_exchange="mosaic")
     assert type(layout.attention).__name__ == "RingUlyssesAttention" and layout.attention.exchange == "mosaic"
