@@ -214,6 +214,13 @@ def _validate_moe_layer(cfg) -> None:
                                                                p.attention == AttentionPlan.SP),
            f"config.parallel.attention_exchange={p.attention_exchange!r} is the fused schedule's GEMM+A2A: it "
            "needs parallel.moe_layer='fused' with attention='sp'; set it to 'ring' otherwise.")
+    if p.attention_exchange == AttentionExchange.MOSAIC:   # the kernel's tiles (pallas_kernels/gemm_all_to_all.py)
+        t, m = cfg.train, cfg.model
+        rows = t.global_batch // max(p.data * t.microbatches, 1) * t.seq_len // p.intra
+        _check(rows % 256 == 0 and m.hidden % 64 == 0 and m.head_dim % 64 == 0,
+               f"config.parallel.attention_exchange='mosaic' tiles each device's {rows} rows per microbatch "
+               f"(global_batch / (data x microbatches) x seq_len / intra) by 256 and model.hidden={m.hidden}, "
+               f"head_dim={m.head_dim} by 64: change train.seq_len / the batch, or use 'ring'.")
     if p.moe_layer != MoELayer.MACRO:
         return
     e, t = cfg.model.moe, cfg.train

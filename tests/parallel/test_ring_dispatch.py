@@ -79,8 +79,12 @@ def test_the_mosaic_attention_exchange_needs_the_fused_sp_schedule_and_a_gpu():
     with pytest.raises(ConfigError, match="attention_exchange='mosaic' is the fused schedule"):
         default_config("tiny_cpu", num_devices=8, **{**COMMON, "parallel.intra": 4,
                                                      "parallel.attention_exchange": "mosaic"})
-    cfg = default_config("tiny_cpu", num_devices=8, **{**COMMON, "parallel.intra": 4, "parallel.moe_layer": "fused",
-                                                       "parallel.attention_exchange": "mosaic"})
+    mosaic = {**COMMON, "parallel.intra": 4, "parallel.moe_layer": "fused", "parallel.attention_exchange": "mosaic"}
+    with pytest.raises(ConfigError, match="tiles each device's .* rows per microbatch"):
+        default_config("tiny_cpu", num_devices=8, **mosaic)   # COMMON's head_dim 4 and short rows do not tile
+    cfg = default_config("tiny_cpu", num_devices=8, **{**mosaic, "model.hidden": 512, "model.num_heads": 8,
+                                                       "model.num_kv_heads": 8, "train.seq_len": 256,
+                                                       "model.max_seq_len": 256})
     with pytest.raises(ConfigError, match="Mosaic GPU kernel for bf16 compute; this run has backend 'cpu'"):
         step.build(cfg)
     layout = make_layout(ParallelPlan.from_config(cfg), num_heads=cfg.model.num_heads,
