@@ -10,15 +10,14 @@ the node's GPUs; never NVLink multicast).
     recv_NMF = gemm_all_to_all(x_MD, w_NDF, axis=...)   # inside shard_map over `axis` (n ranks)
     recv_NMF[s] = x_s @ w_s[r]                          # rank s's rows, the columns rank r (this one) owns
 
-Work order: the n destination steps run in order (unrolled: Mosaic builds a peer's TMA descriptor on the
-host, so the peer must be a function of the rank alone), step j sending to rank r + j, so at any moment the
-ranks write to distinct peers (no rank is every sender's target at once); inside a step the persistent loop
-over the SMs takes the (row tile, column tile) items in the grouped GEMM's band order. Known cost, not yet
-removed (it needs a GPU to check): each step's loop starts again at SM 0, so when a step has fewer items than
-SMs (Mixtral at n = 8: 96 items, 132 SMs) the last SMs idle in every step; one flat loop over all steps with a
-static branch per step (the peer stays a function of the rank) would balance them. Completion: after its last store each
-compute warpgroup of every CTA signals every rank's semaphore once; CTA 0 of each rank waits for all
-n x CTAs x 2 signals, so the kernel (and the receive buffer) is complete when it returns.
+Work order: one persistent loop over the SMs takes the n destination steps' items in order, step j sending
+to rank r + j, so the ranks write to distinct peers at a time (no rank is every sender's target at once);
+inside a step the (row tile, column tile) items follow the grouped GEMM's band order. The step is a static
+branch (one pipeline per destination): Mosaic builds a peer's TMA descriptor on the host, so the peer must be
+a function of the rank alone ("Failed to recompute the async_copy peer id on the host" otherwise).
+Completion: after its last store each compute warpgroup of every CTA signals every rank's semaphore once;
+CTA 0 of each rank waits for all n x CTAs x 2 signals, so the kernel (and the receive buffer) is complete
+when it returns.
 
 Twin: `gemm_all_to_all_reference` (einsum + `lax.all_to_all`); the kernel with `exchange=False` is the
 compute side alone (out[p] = x @ w[p], local), which also runs in the CPU interpreter (semaphores and
@@ -81,7 +80,7 @@ def _kernel(x_gmem, w_gmem, out_gmem, *, cfg: GemmTiling, axis, exchange: bool, 
             plgpu.wgmma_wait(0)
             return acc_ref
 
-        for step in range(n):   # unrolled: a peer's TMA descriptor is built on the host from the rank alone
+        def run_item(step, mi, ni):
             if exchange:        # step j: the columns of rank r + j, stored into its buffer at my slot
                 dest = lax.rem(rank + step, n)
                 target = plgpu.remote_ref(out_gmem, {axis: dest}).at[rank]
@@ -89,20 +88,27 @@ def _kernel(x_gmem, w_gmem, out_gmem, *, cfg: GemmTiling, axis, exchange: bool, 
                 dest = step
                 target = out_gmem.at[dest]
 
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-            def _items(info, dest=dest, target=target):
-                mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), cfg.grid_minor, cfg.grid_tile_width)
+            def context(eval_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
+                def _acc(acc_ref):
+                    eval_pipeline(acc_ref)
+                    store_rows(acc_ref[...], out_smem.at[wg], target, mi * cfg.cta_m + wg_row0,
+                               ni * cfg.cta_n + wg_col0, cfg)
 
-                def context(eval_pipeline):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
-                    def _acc(acc_ref):
-                        eval_pipeline(acc_ref)
-                        store_rows(acc_ref[...], out_smem.at[wg], target, mi * cfg.cta_m + wg_row0,
-                                   ni * cfg.cta_n + wg_col0, cfg)
+            cur["mi"] = mi
+            pipeline(mma, context)(x_gmem, w_gmem.at[dest].at[:, pl.ds(ni * cfg.cta_n, cfg.cta_n)],
+                                   allocations=allocs)
 
-                cur["mi"] = mi
-                pipeline(mma, context)(x_gmem, w_gmem.at[dest].at[:, pl.ds(ni * cfg.cta_n, cfg.cta_n)],
-                                       allocations=allocs)
+        # One loop over all steps' items, so the SMs stay busy across step boundaries; the step is a static
+        # branch because a peer's TMA descriptor is built on the host, from the rank alone.
+        items = m_iters * n_iters
+
+        @plgpu.nd_loop((n * items,), collective_axes="sm")
+        def _items(info):
+            step = info.index[0] // items
+            mi, ni = plgpu.planar_snake(info.index[0] % items, (m_iters, n_iters), cfg.grid_minor, cfg.grid_tile_width)
+            for j in range(n):
+                pl.when(step == j)(functools.partial(run_item, j, mi, ni))
 
         if exchange:
             @pl.when(wg < NUM_COMPUTE_WGS)

@@ -57,8 +57,10 @@ def test_twin_delivers_each_ranks_rows_for_my_columns():
     GemmTiling(tile_m=64, tile_n=64, max_concurrent_steps=2, wg_split="n", grid_tile_width=2),
     GemmTiling(tile_m=64, tile_n=64, max_concurrent_steps=2, wg_split="m", grid_tile_width=2),
 ], ids=["split_n", "split_m"])
-def test_compute_side_in_the_interpreter_equals_the_per_destination_gemms(tiling):
-    n, m, d, f = 3, 256, 128, 256
+@pytest.mark.parametrize("m, f", [(256, 256), (128, 128)], ids=["16-items-per-step", "2-items-per-step"])
+def test_compute_side_in_the_interpreter_equals_the_per_destination_gemms(tiling, m, f):
+    """3 simulated SMs: with 2 items per step an SM's items span destination steps (one loop over all)."""
+    n, d = 3, 128
     x, w = _operands(0, n, m, d, f)
     got = gemm_all_to_all(x, w, axis=None, exchange=False, interpret=True, tiling=tiling)
     want = jnp.einsum("md,ndf->nmf", x.astype(jnp.float32), w.astype(jnp.float32))
