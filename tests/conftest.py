@@ -19,13 +19,22 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # Many tests compile the very same program (the same model init, the same train step of a straight run and of
-# its resumed twin): a compilation cache of this process's own, new each session and deleted at exit, compiles
+# its resumed twin): a compilation cache of this test run's own, new each session and deleted at exit, compiles
 # each program once. A hit is the executable XLA built for the identical HLO and options, so nothing a test checks
-# changes. Set through jax.config (not the environment), so subprocesses that tests start do not share it.
-_COMPILATION_CACHE = tempfile.mkdtemp(prefix="megascale-jax-test-cache-")
-atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
+# changes. The pytest-xdist workers share the controller's cache (the directory travels in an environment variable
+# the controller sets before it starts them); a size limit makes jax lock each read and write (with `filelock`),
+# so a worker never reads a file the other is still writing. Set through jax.config, so subprocesses that tests
+# start do not use it.
+_CACHE_ENV = "MEGASCALE_TEST_COMPILATION_CACHE"
+if "PYTEST_XDIST_WORKER" in os.environ and os.environ.get(_CACHE_ENV):
+    _COMPILATION_CACHE = os.environ[_CACHE_ENV]                  # the controller owns (and deletes) it
+else:
+    _COMPILATION_CACHE = tempfile.mkdtemp(prefix="megascale-jax-test-cache-")
+    os.environ[_CACHE_ENV] = _COMPILATION_CACHE
+    atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
+jax.config.update("jax_compilation_cache_max_size", 8 << 30)   # never reached; turns on the locking
 
 
 def _has_gpu() -> bool:
