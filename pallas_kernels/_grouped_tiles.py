@@ -4,7 +4,8 @@ One owner per concern: a second kernel (a fused all-gather + grouped GEMM) impor
 of copying them, and `grouped_gemm.py` keeps the kernel bodies, launch, validation and custom VJP.
   * Tiling:       `GemmTiling`, `GroupedGemmTuning` (both re-exported by grouped_gemm.py); defaults by
                   shape (`default_tuning`; `default_kernel_tuning` for one kernel called on its own);
-                  `fit_smem` (pipeline depth vs SMEM), `fit_ragged_tiling` (the forward / dgrad tiles as run).
+                  `fit_smem` (pipeline depth vs SMEM), `fit_ragged_tiling` (the forward / dgrad tiles as run),
+                  `sm_count` (the persistent grid's size).
   * Checks:       `check_tiling` (a hand-made tuning fits the shape), `check_dtypes`, `check_group_sizes`,
                   `check_tuning_enums`: what every entry point's validation shares, with the same messages.
   * Work tables:  `group_bounds`, `prefix_sum`, `row_tile_table` (forward, input gradient),
@@ -133,6 +134,11 @@ def default_kernel_tuning(kernel: str, k: int, n: int) -> GroupedGemmTuning:
     kernels' alignment rules do not reject shapes this one takes (dgrad alone needs only K to fit)."""
     fit = fit_tiling(GemmTiling(), k, "K") if kernel == "dgrad" else fit_wgrad_tiling(GemmTiling(), k, n)
     return dataclasses.replace(GroupedGemmTuning(), **{kernel: fit})
+
+
+def sm_count(interpret: bool) -> int:
+    """The persistent grid's size: the device's SMs, or INTERPRET_NUM_SMS in the CPU interpreter."""
+    return INTERPRET_NUM_SMS if interpret else jax.devices()[0].core_count
 
 
 def fit_smem(cfg: GemmTiling, stage_elems: int, out_dtype) -> GemmTiling:
@@ -283,11 +289,6 @@ def token_block_table(group_sizes_G, m: int, tile: int, method: str = "fused"):
 # ----------------------------------------------------------------------------------------------------
 # Helpers inside kernel bodies
 # ----------------------------------------------------------------------------------------------------
-def sm_count(interpret: bool) -> int:
-    """The persistent grid's size: the device's SMs, or INTERPRET_NUM_SMS in the CPU interpreter."""
-    return INTERPRET_NUM_SMS if interpret else jax.devices()[0].core_count
-
-
 def swizzle_transforms(minor_elems: int, dtype):
     swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
     elems = swizzle // jnp.dtype(dtype).itemsize

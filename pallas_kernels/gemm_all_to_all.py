@@ -40,6 +40,7 @@ from pallas_kernels.varying import vary_like
 
 __all__ = ["gemm_all_to_all", "gemm_all_to_all_reference", "default_tiling"]
 
+
 def default_tiling(f: int) -> GemmTiling:
     """The widest CTA tile along the per-destination columns F, 64-wide K steps four deep (the grouped
     GEMM's forward defaults for experts of this size)."""

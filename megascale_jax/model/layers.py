@@ -122,7 +122,8 @@ def cross_entropy(logits_BSV, targets_BS):
     # gradient is elementwise, so the logits gradient (softmax - one-hot) can be one pass fused with the cast
     # to the GEMM's dtype. take_along_axis's transpose was a scatter into the f32 [B, S, V] gradient, then a
     # separate cast pass: 6.3 ms of a mixtral_small step on the H200 (train_step_profile_mixtral_small_1xh200
-    # .json, loop_multiply_fusion + wrapped_convert.4). Not yet profiled on the GPU after the change.
+    # .json, loop_multiply_fusion + wrapped_convert.4). After the change the HLO has no scatter there and the
+    # step's non-GEMM time fell 82.8 -> 79.7 ms (the same file's after_cross_entropy_mask).
     # A target outside the vocabulary matches no column: its logit is NaN (as take_along_axis's fill), so the
     # loss is NaN and the step's non-finite check catches it instead of training on a silent zero.
     num_classes = logits.shape[-1]

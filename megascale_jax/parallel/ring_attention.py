@@ -48,7 +48,7 @@ from megascale_jax.parallel import collectives
 class AttentionExchange(StrEnum):
     """How the fused schedule's GEMM+A2A moves its tiles (`parallel.attention_exchange`)."""
     RING = "ring"       # `project_seq_to_heads`: n point-to-point sends (ppermute), each after its step's GEMM
-    MOSAIC = "mosaic"   # `project_seq_to_heads_by_kernel` with pallas_kernels/gemm_all_to_all.py (GPU, bf16/f16)
+    MOSAIC = "mosaic"   # `project_seq_to_heads_by_kernel` with pallas_kernels/gemm_all_to_all.py (GPU, bf16)
 
 
 # project(x_BSD, w, q_heads, kv_heads) -> (q_BSHK, k_BSGK, v_BSGK) of those heads (int arrays; None: all)
