@@ -13,7 +13,8 @@ import numpy as np
 from benchmarks.grouped_gemm_cases import wanted
 from benchmarks.grouped_gemm_report import save_json
 from benchmarks.grouped_gemm_torch import merge_torch
-from pallas_kernels.grouped_gemm import GemmTiling, default_tuning, grouped_gemm
+from pallas_kernels.grouped_gemm import (GemmTiling, default_tuning, grouped_gemm, grouped_gemm_dgrad,
+                                         grouped_gemm_wgrad)
 
 # bench_grouped_gemm.main lowers these to one call per timing under --interpret (the interpreter is slow)
 TIMING = dict(min_total_s=0.15, loops=3, min_iters=2)
@@ -209,6 +210,7 @@ def measure_case(case, x, w, dy, impls, args, results, torch_res):
             tuning = dataclasses.replace(default_tuning(m, k, n, g), fwd=cfg)
             f = jax.jit(lambda x, w, gs, t=tuning: grouped_gemm(x, w, gs, tuning=t, interpret=args.interpret))
             record(f"ours[{tiling_label(cfg)}]/fwd", f, (x, w, gs), flops)
+        sweep_backward(row, x, w, dy, gs, default_tuning(m, k, n, g), flops, record, args)
     if args.tokamax:
         try:
             measure_tokamax(row, record, gs, x, w, dy, flops, args.bwd)
@@ -240,10 +242,43 @@ def measure_dense(row, case, x, w, dy, flops, record, args):
                                 case=f"{case['shape']}/{case['routing']}")
 
 
+def sweep_backward(row, x, w, dy, gs, base, flops, record, args):
+    """The input- and weight-gradient kernels alone, default tiles against variants (one wgmma group in
+    flight, 128-wide K steps, chained items, pipeline depth); each variant's output is compared with the
+    default's (relative Frobenius error, in row['errors'])."""
+    dgrad_variants = [dict(), dict(mma_in_flight=1), dict(chain_items=True), dict(chain_items=True, mma_in_flight=1),
+                      dict(tile_k=128, max_concurrent_steps=2), dict(tile_k=128, max_concurrent_steps=2, mma_in_flight=1)]
+    wgrad_variants = [dict(), dict(mma_in_flight=1), dict(max_concurrent_steps=3), dict(max_concurrent_steps=3, mma_in_flight=1)]
+    dyb = dy.astype(x.dtype)
+    for kernel, variants in (("dgrad", dgrad_variants), ("wgrad", wgrad_variants)):
+        ref = None
+        for v in variants:
+            cfg = dataclasses.replace(getattr(base, kernel), **v)
+            if kernel == "dgrad" and (x.shape[1] % cfg.cta_n or w.shape[2] % cfg.tile_k):
+                continue
+            tuning = dataclasses.replace(base, **{kernel: cfg})
+            if kernel == "dgrad":
+                f = jax.jit(lambda dy, w, gs, t=tuning: grouped_gemm_dgrad(dy, w, gs, tuning=t, interpret=args.interpret))
+                argv = (dyb, w, gs)
+            else:
+                f = jax.jit(lambda x, dy, gs, t=tuning: grouped_gemm_wgrad(x, dy, gs, tuning=t, interpret=args.interpret))
+                argv = (x, dyb, gs)
+            label = f"ours_{kernel}[{tiling_label(cfg)}]/{kernel}"
+            record(label, f, argv, flops, do_check=False)
+            if label not in row["tflops"] or row["tflops"][label] is None:
+                continue
+            out = np.asarray(f(*argv).astype(jnp.float32))
+            if ref is None:
+                ref = out
+            err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+            row["errors"][label] = err
+            print(f"    {label}: rel diff to the default {err:.1e}", flush=True)
+
+
 def tiling_label(cfg):
     return (f"{cfg.wg_split}{cfg.tile_m}x{cfg.tile_n}k{cfg.tile_k}s{cfg.max_concurrent_steps}"
             f"m{cfg.grid_minor}w{cfg.grid_tile_width}e{cfg.epi_tile_n}x{cfg.epi_slots}"
-            f"{'c' if cfg.chain_items else ''}")
+            f"{'c' if cfg.chain_items else ''}{'f' if cfg.mma_in_flight else ''}")
 
 
 def sweep_tilings(n, k):
@@ -259,7 +294,10 @@ def sweep_tilings(n, k):
                 # both warpgroups read the same 256-wide w slice, 17% less SMEM read than two m64n128 each
                 dict(wg_split="m", tile_m=64, tile_n=256), dict(wg_split="m", tile_m=64, tile_n=256, chain_items=True),
                 dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2),
-                dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2, chain_items=True)]
+                dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2, chain_items=True),
+                # one wgmma group left in flight per K step (GemmTiling.mma_in_flight)
+                dict(mma_in_flight=1), dict(chain_items=True, mma_in_flight=1),
+                dict(chain_items=True, tile_k=128, max_concurrent_steps=2, mma_in_flight=1)]
     out = []
     for v in variants:
         cfg = GemmTiling(**v)
