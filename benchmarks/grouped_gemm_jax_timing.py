@@ -243,12 +243,12 @@ def measure_dense(row, case, x, w, dy, flops, record, args):
 
 
 def sweep_backward(row, x, w, dy, gs, base, flops, record, args):
-    """The input- and weight-gradient kernels alone, default tiles against variants (one wgmma group in
-    flight, 128-wide K steps, chained items, pipeline depth); each variant's output is compared with the
-    default's (relative Frobenius error, in row['errors'])."""
-    dgrad_variants = [dict(), dict(mma_in_flight=1), dict(chain_items=True), dict(chain_items=True, mma_in_flight=1),
-                      dict(tile_k=128, max_concurrent_steps=2), dict(tile_k=128, max_concurrent_steps=2, mma_in_flight=1)]
-    wgrad_variants = [dict(), dict(mma_in_flight=1), dict(max_concurrent_steps=3), dict(max_concurrent_steps=3, mma_in_flight=1)]
+    """The input- and weight-gradient kernels alone, default tiles against variants (128-wide K steps,
+    chained items, pipeline depth); each variant's output is compared with the default's (relative
+    Frobenius error, in row['errors'])."""
+    dgrad_variants = [dict(), dict(chain_items=True), dict(tile_k=128, max_concurrent_steps=2),
+                      dict(tile_k=128, max_concurrent_steps=2, chain_items=True)]
+    wgrad_variants = [dict(), dict(max_concurrent_steps=3)]
     dyb = dy.astype(x.dtype)
     for kernel, variants in (("dgrad", dgrad_variants), ("wgrad", wgrad_variants)):
         ref = None
@@ -278,7 +278,7 @@ def sweep_backward(row, x, w, dy, gs, base, flops, record, args):
 def tiling_label(cfg):
     return (f"{cfg.wg_split}{cfg.tile_m}x{cfg.tile_n}k{cfg.tile_k}s{cfg.max_concurrent_steps}"
             f"m{cfg.grid_minor}w{cfg.grid_tile_width}e{cfg.epi_tile_n}x{cfg.epi_slots}"
-            f"{'c' if cfg.chain_items else ''}{'f' if cfg.mma_in_flight else ''}")
+            f"{'c' if cfg.chain_items else ''}")
 
 
 def sweep_tilings(n, k):
@@ -294,10 +294,7 @@ def sweep_tilings(n, k):
                 # both warpgroups read the same 256-wide w slice, 17% less SMEM read than two m64n128 each
                 dict(wg_split="m", tile_m=64, tile_n=256), dict(wg_split="m", tile_m=64, tile_n=256, chain_items=True),
                 dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2),
-                dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2, chain_items=True),
-                # one wgmma group left in flight per K step (GemmTiling.mma_in_flight)
-                dict(mma_in_flight=1), dict(chain_items=True, mma_in_flight=1),
-                dict(chain_items=True, tile_k=128, max_concurrent_steps=2, mma_in_flight=1)]
+                dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2, chain_items=True)]
     out = []
     for v in variants:
         cfg = GemmTiling(**v)

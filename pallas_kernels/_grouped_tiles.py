@@ -12,8 +12,8 @@ of copying them, and `grouped_gemm.py` keeps the kernel bodies, launch, validati
                   `token_block_table` (weight gradient): plain jnp computed on device before a launch, read
                   by the persistent loop.
   * Tile helpers inside kernel bodies: `swizzle_transforms`, `epilogue_smem` + `store_rows` (the ragged-row
-                  TMA epilogue, also storing zero tiles without any loads), `mask_token_rows`,
-                  `finish_mma_step` / `finish_mma_steps` (wgmma waits and SMEM slot releases, mma_in_flight).
+                  TMA epilogue, also storing zero tiles without any loads),
+                  `mask_token_rows`.
 The module is private (underscore); its names are not, because sibling kernels import them.
 """
 from __future__ import annotations
@@ -55,10 +55,6 @@ class GemmTiling:
     # Chain the K pipelines of an SM's consecutive work items (forward / input gradient kernel): the next
     # item's loads overlap this item's epilogue. Needs K steps divisible by the pipeline depth (else off).
     chain_items: bool = False
-    # wgmma groups left in flight when a K step ends (0 or 1). 1: step k's MMAs are issued before step k-1's
-    # have finished, so the tensor cores never drain between steps; step k-1's SMEM slot is released one step
-    # late (and the last step's after the final wait), through the pipeline's manual consumed barriers.
-    mma_in_flight: int = 0
 
     @property
     def cta_m(self) -> int:
@@ -182,8 +178,6 @@ def check_tiling(name: str, cfg: GemmTiling, dims_and_tiles, what: str):
         raise ValueError(f"tuning.{name}.epi_tile_n={cfg.epi_tile_n} must divide tile_n={cfg.tile_n}")
     if cfg.epi_slots not in (1, 2):
         raise ValueError(f"tuning.{name}.epi_slots={cfg.epi_slots} must be 1 or 2 (SMEM staging buffers)")
-    if cfg.mma_in_flight not in (0, 1):
-        raise ValueError(f"tuning.{name}.mma_in_flight={cfg.mma_in_flight} must be 0 or 1 (wgmma groups in flight)")
     for label, dim, tile in dims_and_tiles:
         if dim % tile:
             raise ValueError(f"{what}: {label} {dim} is not a multiple of the tuning.{name} tile {tile}; pad "
@@ -339,32 +333,6 @@ def store_rows(acc, out_smem, out_gmem, row0, col0, cfg: GemmTiling, rows=None):
             start = start + (count & bit)
             bit >>= 1
         plgpu.commit_smem_to_gmem_group()   # the chunk's stores are one bulk group for the waits above
-
-
-def finish_mma_step(cfg: GemmTiling, consumed, step, depth: int):
-    """Called right after a K step's wgmma is issued. mma_in_flight=0: wait for it (the pipeline then
-    releases the step's SMEM slot itself). mma_in_flight=1: wait for the previous step's group only and
-    release that step's slot by hand (`consumed`: the pipeline's consumed barriers, one per input, allocated
-    with manual_consumed_barriers; `depth`: its slot count), so this step's MMAs queue behind the last ones."""
-    if not cfg.mma_in_flight:
-        plgpu.wgmma_wait(0)
-        return
-    plgpu.wgmma_wait(1)
-    pl.when(step > 0)(lambda: release_slot(consumed, step - 1, depth))
-
-
-def finish_mma_steps(cfg: GemmTiling, consumed, num_steps, depth: int):
-    """After a pipeline of `num_steps` (> 0) K steps: with mma_in_flight=1, wait for the last group and
-    release the last step's slot, so every step releases its slot exactly once, as the memory warpgroup
-    expects (the next pipeline's loads may then overwrite it)."""
-    if cfg.mma_in_flight:
-        plgpu.wgmma_wait(0)
-        release_slot(consumed, num_steps - 1, depth)
-
-
-def release_slot(consumed, step, depth: int):
-    for barrier in consumed:
-        plgpu.barrier_arrive(barrier.at[lax.rem(step, depth)])
 
 
 def mask_token_rows(ref, row0, start, end):

@@ -29,10 +29,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedGemmTuning, check_dtypes,
                                            check_group_sizes, check_tiling, check_tuning_enums,
-                                           default_kernel_tuning, default_tuning, epilogue_smem, finish_mma_step,
-                                           finish_mma_steps, fit_ragged_tiling, fit_smem, mask_token_rows,
-                                           row_tile_table, sm_count, store_rows, swizzle_transforms,
-                                           token_block_table)
+                                           default_kernel_tuning, default_tuning, epilogue_smem, fit_ragged_tiling,
+                                           fit_smem, mask_token_rows, row_tile_table, sm_count, store_rows,
+                                           swizzle_transforms, token_block_table)
 from pallas_kernels.grouped_gemm_reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
                                                    grouped_gemm_wgrad_reference)
 from pallas_kernels.varying import match_varying, vary_like
@@ -67,7 +66,7 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_iters,), memory_registers=40, wg_axis="wg",
             num_compute_wgs=NUM_COMPUTE_WGS, max_concurrent_steps=cfg.max_concurrent_steps,
-            compute_context=context, pipeline_state=state, manual_consumed_barriers=bool(cfg.mma_in_flight),
+            compute_context=context, pipeline_state=state,
             in_specs=[
                 plgpu.BlockSpec((cfg.cta_m, cfg.tile_k), lambda kk: (slot_ref[0], kk), transforms=in_tf),
                 plgpu.BlockSpec(w_block, (lambda kk: (0, kk)) if transpose_w else (lambda kk: (kk, 0)),
@@ -96,14 +95,10 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
             store_rows(acc, out_smem.at[wg], out_gmem, block * cfg.cta_m + wg_row0,
                        ni * cfg.cta_n + wg_col0, cfg, rows=(wlo, whi - wlo))
 
-        consumed = allocs["flat_consumed_barrier_refs"]
-        depth = min(cfg.max_concurrent_steps, k_iters)   # the pipeline's slots (it shrinks to the step count)
-
-        def mma(idx, x_smem, w_smem, *barriers_and_acc):   # manual consumed barriers come before acc_ref
-            acc_ref = barriers_and_acc[-1]
+        def mma(_, x_smem, w_smem, acc_ref):
             w_op = w_smem.at[wg_n, :].transpose((1, 0)) if transpose_w else w_smem.at[:, wg_n]
             plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_op)
-            finish_mma_step(cfg, consumed, idx[0], depth)
+            plgpu.wgmma_wait(0)
             return acc_ref
 
         @plgpu.nd_loop((num_compute * n_iters,), collective_axes="sm")
@@ -116,7 +111,6 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
                 def _acc(acc_ref):
                     eval_pipeline(acc_ref)
-                    finish_mma_steps(cfg, consumed, k_iters, depth)
                     store(acc_ref[...], slot, ni)
 
             slot_ref[0] = block
@@ -157,7 +151,7 @@ def _weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTiling)
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(num_blocks,), memory_registers=40, wg_axis="wg",
             num_compute_wgs=NUM_COMPUTE_WGS, max_concurrent_steps=cfg.max_concurrent_steps,
-            compute_context=context, manual_consumed_barriers=bool(cfg.mma_in_flight),
+            compute_context=context,
             in_specs=[
                 plgpu.BlockSpec((cfg.tile_k, cfg.cta_m), lambda t: (cur["first"] + t, cur["ki"]),
                                 transforms=tf_x),
@@ -174,7 +168,6 @@ def _weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTiling)
                        out_smem=epilogue_smem(cfg, dw_gmem.dtype))
     def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")
-        consumed = allocs["flat_consumed_barrier_refs"]
 
         @plgpu.nd_loop((num_groups, k_iters * n_iters), collective_axes="sm")
         def _work(info):
@@ -191,12 +184,10 @@ def _weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTiling)
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
                 def _acc(acc_ref):
                     eval_pipeline(acc_ref)
-                    finish_mma_steps(cfg, consumed, num_blocks, cfg.max_concurrent_steps)  # >= 1 block
                     store_rows(acc_ref[...], out_smem.at[wg], dw_gmem.at[g], ki * cfg.cta_m + wg_row0,
                                 ni * cfg.cta_n + wg_col0, cfg)
 
-            def mma(idx, x_smem, dy_smem, *barriers_and_acc):   # manual consumed barriers before acc_ref
-                acc_ref = barriers_and_acc[-1]
+            def mma(idx, x_smem, dy_smem, acc_ref):
                 x_mine = x_smem.at[:, wg_k]
                 step = idx[0]
                 row0 = (first + step) * cfg.tile_k
@@ -204,7 +195,7 @@ def _weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTiling)
                 pl.when((step == 0) | (step == num_blocks - 1))(
                     lambda: mask_token_rows(x_mine, row0, start, end))
                 plgpu.wgmma(acc_ref, x_mine.transpose((1, 0)), dy_smem.at[:, wg_n])
-                finish_mma_step(cfg, consumed, step, cfg.max_concurrent_steps)
+                plgpu.wgmma_wait(0)
                 return acc_ref
 
             cur.update(first=first, ki=ki, ni=ni)
