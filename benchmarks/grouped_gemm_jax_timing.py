@@ -111,6 +111,10 @@ def jax_impls(m, k, n, g, args):
     if base.fwd.tile_k != 64:
         k64 = dataclasses.replace(base, fwd=dataclasses.replace(base.fwd, tile_k=64, max_concurrent_steps=4))
         impls["ours_k64"] = lambda x, w, gs: grouped_gemm(x, w, gs, interpret=interp, tuning=k64)
+    # the input-gradient tiles before its long-reduction rule (64-wide steps over N, four deep), where they differ
+    if base.dgrad.tile_k != 64:
+        dk64 = dataclasses.replace(base, dgrad=dataclasses.replace(base.dgrad, tile_k=64, max_concurrent_steps=4))
+        impls["ours_dgrad_k64"] = lambda x, w, gs: grouped_gemm(x, w, gs, interpret=interp, tuning=dk64)
     return impls
 
 

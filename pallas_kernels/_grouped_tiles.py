@@ -119,20 +119,33 @@ def default_tuning(m: int, k: int, n: int, num_groups: int) -> GroupedGemmTuning
       * chained pipelines: +0.1..2.3% forward on all 8 (shape, routing) pairs timed (DeepSeekMoE 628 vs 614,
         Mixtral with 128-wide steps 680 vs 666, Qwen3 575 vs 571); chained with two epilogue slots was slower
         (478), so epi_slots stays 1;
-      * on the fine-grained shapes (K = 2048, N <= 1408) no swept tiling beat these by more than ~2%."""
+      * on the fine-grained shapes (K = 2048, N <= 1408) no swept tiling beat these by more than ~2%;
+      * the input gradient follows the same rule with its own roles (it reduces over N and writes K columns):
+        Mixtral's gate/up dgrad (reduction 14336) 708 vs 690 TFLOP/s with 128-wide steps, DeepSeek-V3's
+        (reduction 2048, below the rule) 661 vs 659, Qwen3's (768) 567 vs 616 (grouped_gemm_backward_sweep_h200.json);
+        chained dgrad items measured within 1.6% either way (690.6 / 626.3 / 658.2 vs 690.4 / 615.8 / 659.2): off."""
     del m, num_groups
-    fwd = fit_tiling(GemmTiling(chain_items=True), n, "N")
-    if k >= 4096 and n >= 2048 and k % 128 == 0 and fwd.wg_split == "n":
-        fwd = dataclasses.replace(fwd, tile_k=128, max_concurrent_steps=2)
-    dgrad = fit_tiling(GemmTiling(), k, "K")   # chaining is GPU-tested here but not yet timed: off
+    fwd = _long_reduction_steps(fit_tiling(GemmTiling(chain_items=True), n, "N"), reduction=k, out_cols=n)
+    dgrad = _long_reduction_steps(fit_tiling(GemmTiling(), k, "K"), reduction=n, out_cols=k)
     wgrad = fit_wgrad_tiling(GemmTiling(), k, n)
     return GroupedGemmTuning(fwd=fwd, dgrad=dgrad, wgrad=wgrad)
+
+
+def _long_reduction_steps(cfg: GemmTiling, reduction: int, out_cols: int) -> GemmTiling:
+    """128-wide K steps two deep for large experts (reduction >= 4096, >= 2048 output columns, side-by-side
+    warpgroups): the forward and input-gradient rule of `default_tuning`."""
+    if reduction >= 4096 and out_cols >= 2048 and reduction % 128 == 0 and cfg.wg_split == "n":
+        return dataclasses.replace(cfg, tile_k=128, max_concurrent_steps=2)
+    return cfg
 
 
 def default_kernel_tuning(kernel: str, k: int, n: int) -> GroupedGemmTuning:
     """`default_tuning`'s tiles for `kernel` ('dgrad' or 'wgrad') called on its own, so that the other
     kernels' alignment rules do not reject shapes this one takes (dgrad alone needs only K to fit)."""
-    fit = fit_tiling(GemmTiling(), k, "K") if kernel == "dgrad" else fit_wgrad_tiling(GemmTiling(), k, n)
+    if kernel == "dgrad":
+        fit = _long_reduction_steps(fit_tiling(GemmTiling(), k, "K"), reduction=n, out_cols=k)
+    else:
+        fit = fit_wgrad_tiling(GemmTiling(), k, n)
     return dataclasses.replace(GroupedGemmTuning(), **{kernel: fit})
 
 

@@ -17,6 +17,7 @@ import pallas_kernels.grouped_gemm as gg
 from pallas_kernels.grouped_gemm import (GemmTiling, GroupedGemmTuning, default_tuning, grouped_gemm,
                                          grouped_gemm_dgrad, grouped_gemm_dgrad_reference, grouped_gemm_reference,
                                          grouped_gemm_wgrad, grouped_gemm_wgrad_reference)
+from pallas_kernels._grouped_tiles import default_kernel_tuning
 
 # Small tiles give many group boundaries per tile in few rows; both warpgroup splits are covered.
 SMALL_TUNING = GroupedGemmTuning(
@@ -167,6 +168,19 @@ def test_default_tuning_fits_the_paper_expert_shapes():
         t = default_tuning(8192, k, n, 8)
         assert n % t.fwd.cta_n == 0 and k % t.dgrad.cta_n == 0
         assert k % t.wgrad.cta_m == 0 and n % t.wgrad.cta_n == 0
+
+
+@pytest.mark.parametrize("k, n, fwd_k, dgrad_k", [
+    (4096, 14336, 128, 128),   # Mixtral gate/up: both reductions long (4096 / 14336), both outputs wide
+    (14336, 4096, 128, 128),   # Mixtral down
+    (7168, 2048, 128, 64),     # DeepSeek-V3: the input gradient reduces over 2048 only
+    (2048, 768, 64, 64),       # Qwen3-30B-A3B: fine-grained, 64-wide steps four deep
+])
+def test_default_tuning_takes_128_wide_k_steps_for_long_reductions(k, n, fwd_k, dgrad_k):
+    t = default_tuning(8192, k, n, 8)
+    assert (t.fwd.tile_k, t.dgrad.tile_k) == (fwd_k, dgrad_k)
+    assert t.fwd.max_concurrent_steps == (2 if fwd_k == 128 else 4)
+    assert t.dgrad == default_kernel_tuning("dgrad", k, n).dgrad   # dgrad called alone gets the same tiles
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -343,6 +357,16 @@ def test_gpu_large_expert_default_tuning_bf16_forward():
     y = grouped_gemm(x, w, group_sizes)
     assert _rel_err(y, _ragged_dot_f32(x, w, group_sizes)) < 4e-3
     assert np.all(np.asarray(y)[3577:] == 0)
+
+
+@pytest.mark.gpu
+def test_gpu_long_reduction_default_tuning_backward():
+    """N >= 4096 with K >= 2048: the input gradient takes 128-wide steps over N by default; with the forward's
+    64-wide steps (K = 2048) and the weight gradient, on ragged groups with a tail, dirty memory."""
+    assert default_tuning(4096, 2048, 4096, 4).dgrad.tile_k == 128
+    x, w, dy, group_sizes = _random_problem(23, 4096, 2048, 4096, [1000, 0, 2500, 77])
+    _poison_device_memory(64 << 20)
+    _check_fwd_bwd(x, w, dy, group_sizes)
 
 
 @pytest.mark.gpu
