@@ -212,9 +212,9 @@ def _validate_moe_layer(cfg) -> None:
                f"ffn={p.ffn!r}, ep_dispatch={p.ep_dispatch!r}, intra={p.intra}).")
     _check(p.attention_exchange == AttentionExchange.RING or (p.moe_layer == MoELayer.FUSED and
                                                                p.attention == AttentionPlan.SP),
-           f"config.parallel.attention_exchange={p.attention_exchange!r} is the fused schedule's GEMM+A2A: it "
+           f"config.parallel.attention_exchange={p.attention_exchange!r} moves the fused schedule's GEMM+A2A and A2A+GEMM: it "
            "needs parallel.moe_layer='fused' with attention='sp'; set it to 'ring' otherwise.")
-    if p.attention_exchange == AttentionExchange.MOSAIC:   # the kernel's tiles (pallas_kernels/gemm_all_to_all.py)
+    if p.attention_exchange == AttentionExchange.MOSAIC:   # the kernels' tiles (gemm_all_to_all.py, all_to_all_gemm.py)
         t, m = cfg.train, cfg.model
         rows = t.global_batch // max(p.data * t.microbatches, 1) * t.seq_len // p.intra
         _check(rows % 256 == 0 and m.hidden % 64 == 0 and m.head_dim % 64 == 0,

@@ -152,8 +152,9 @@ class UlyssesAttention(LocalAttention):
 @dataclasses.dataclass(frozen=True)
 class RingUlyssesAttention(UlyssesAttention):
     """SP with the all-to-alls fused into the projections: GEMM+A2A and A2A+GEMM as n point-to-point steps,
-    each projecting one peer rank's slice of heads (parallel/ring_attention.py); `exchange='mosaic'` runs the
-    GEMM+A2A as one kernel that stores each tile into its destination (pallas_kernels/gemm_all_to_all.py)."""
+    each projecting one peer rank's slice of heads (parallel/ring_attention.py); `exchange='mosaic'` runs each
+    as one kernel: GEMM+A2A stores each tile into its destination (pallas_kernels/gemm_all_to_all.py), A2A+GEMM
+    pushes the rows into the receivers while the GEMM sums the sources that arrived (all_to_all_gemm.py)."""
     exchange: str = ring_attention.AttentionExchange.RING
 
     def project_heads_in(self, x_BSD, project, w):
@@ -161,7 +162,7 @@ class RingUlyssesAttention(UlyssesAttention):
                                                        num_heads=self.num_heads)
 
     def project_heads_out(self, out, project_out, wo):
-        return ring_attention.project_heads_to_seq(out, project_out, wo, axis=self.axis)
+        return ring_attention.project_heads_to_seq_via(self.exchange, out, project_out, wo, axis=self.axis)
 
 
 @dataclasses.dataclass(frozen=True)

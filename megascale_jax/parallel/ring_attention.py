@@ -48,7 +48,9 @@ from megascale_jax.parallel import collectives
 class AttentionExchange(StrEnum):
     """How the fused schedule's GEMM+A2A moves its tiles (`parallel.attention_exchange`)."""
     RING = "ring"       # `project_seq_to_heads`: n point-to-point sends (ppermute), each after its step's GEMM
-    MOSAIC = "mosaic"   # `project_seq_to_heads_by_kernel` with pallas_kernels/gemm_all_to_all.py (GPU, bf16)
+    # `project_seq_to_heads_by_kernel` with pallas_kernels/gemm_all_to_all.py and `project_heads_to_seq_by_kernel`
+    # with pallas_kernels/all_to_all_gemm.py (GPU, bf16)
+    MOSAIC = "mosaic"
 
 
 # project(x_BSD, w, q_heads, kv_heads) -> (q_BSHK, k_BSGK, v_BSGK) of those heads (int arrays; None: all)
@@ -138,6 +140,34 @@ def project_heads_to_seq(o_BSHK, project_out: ProjectOutFn, wo: Any, *, axis):
         part = _fp32_partial(project_out, piece, wo, ((rank - j) % n) * per_rank + jnp.arange(per_rank))
         acc_BSD = part if acc_BSD is None else acc_BSD + part
     return acc_BSD.astype(o_BSHK.dtype)
+
+
+def project_heads_to_seq_via(exchange: str, o_BSHK, project_out: ProjectOutFn, wo_HKD, *, axis):
+    """A2A+GEMM moved as `exchange` (AttentionExchange) says. The kernel computes the plain output projection
+    (model/attention.py's `project_out_heads`: no bias), so `project_out` is used by the ring schedule only."""
+    if exchange == AttentionExchange.MOSAIC:
+        from pallas_kernels.all_to_all_gemm import all_to_all_gemm   # GPU kernels load only where used
+        return project_heads_to_seq_by_kernel(o_BSHK, wo_HKD, axis=axis, exchange=all_to_all_gemm)
+    return project_heads_to_seq(o_BSHK, project_out, wo_HKD, axis=axis)
+
+
+def project_heads_to_seq_by_kernel(o_BSHK, wo_HKD, *, axis, exchange: Callable):
+    """A2A+GEMM as one kernel (`exchange`: pallas_kernels/all_to_all_gemm.py's `all_to_all_gemm`, or its twin
+    `all_to_all_gemm_reference` where the kernel cannot run): o [B, S, Hq/n, K] (rank r's heads) as rows per
+    destination chunk [n, B S/n, Hq/n K] (batch-major within a chunk) and wo's rows by source rank
+    [n, Hq/n K, D] (rank s holds heads s Hq/n ..); the kernel sends each destination its rows and sums every
+    source's product for this rank's chunk (fp32 accumulator, o's dtype out) -> y [B, S/n, D]. Equal to
+    `project_heads_to_seq(o, project_out_heads, wo)`, the same bytes on the wire."""
+    n = lax.axis_size(axis)
+    batch, seq, per_rank, head_dim = o_BSHK.shape
+    if seq % n:
+        raise ValueError(f"o_BSHK sequence length {seq} (dim 1) is not divisible by n = {n}; pad the sequence")
+    dim = wo_HKD.shape[-1]
+    wo_HKD = collectives.vary_like(wo_HKD, o_BSHK)   # one weight-gradient reduction, as in the ring schedule
+    cols = per_rank * head_dim
+    x_NMK = jnp.moveaxis(o_BSHK.reshape(batch, n, seq // n, cols), 1, 0).reshape(n, batch * (seq // n), cols)
+    y_MD = exchange(x_NMK, wo_HKD.astype(o_BSHK.dtype).reshape(n, cols, dim), axis=axis)
+    return y_MD.reshape(batch, seq // n, dim)
 
 
 def _fp32_partial(project_out: ProjectOutFn, piece, wo, heads):

@@ -200,3 +200,32 @@ def test_kernel_schedule_equals_the_ring_schedule(num_q_heads, num_kv_heads):
         results[by_kernel] = jax.jit(outputs_and_grads)(x, w)
     for got, want in zip(jax.tree.leaves(results[True]), jax.tree.leaves(results[False])):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_output_kernel_schedule_equals_the_ring_schedule():
+    """A2A+GEMM as one kernel (`project_heads_to_seq_by_kernel`), with the kernel's twin (all_to_all + einsum),
+    == the ring schedule with the model's own `project_out_heads`: y and the VJP in o and wo (GQA heads 8 over
+    N ranks, batch 2, so the rows per destination are batch-major)."""
+    from megascale_jax.model.attention import project_out_heads
+    from pallas_kernels.all_to_all_gemm import all_to_all_gemm_reference
+
+    B, S, H, K, D = 2, 16, 8, 4, 12
+    mesh = jax.make_mesh((N,), ("x",), axis_types=(AxisType.Explicit,))
+    o = jax.reshard(_normal(1, (B, S, H, K)), NamedSharding(mesh, P(None, None, "x")))
+    wo = jax.reshard(_normal(2, (H, K, D)), NamedSharding(mesh, P()))
+
+    def body(by_kernel, o, wo):
+        if by_kernel:
+            return ring_attention.project_heads_to_seq_by_kernel(o, wo, axis="x", exchange=all_to_all_gemm_reference)
+        return ring_attention.project_heads_to_seq(o, project_out_heads, wo, axis="x")
+
+    results = {}
+    for by_kernel in (True, False):
+        f = jax.shard_map(functools.partial(body, by_kernel), mesh=mesh, in_specs=(P(None, None, "x"), P()),
+                          out_specs=P(None, "x"))
+        def outputs_and_grads(o, wo, f=f):
+            y, vjp = jax.vjp(f, o, wo)
+            return y, vjp(jnp.cos(y) + 0.5)
+        results[by_kernel] = jax.jit(outputs_and_grads)(o, wo)
+    for got, want in zip(jax.tree.leaves(results[True]), jax.tree.leaves(results[False])):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -76,7 +76,7 @@ def test_fused_outside_the_all_gather_dispatch_is_a_config_error(extra, match):
 
 
 def test_the_mosaic_attention_exchange_needs_the_fused_sp_schedule_and_a_gpu():
-    with pytest.raises(ConfigError, match="attention_exchange='mosaic' is the fused schedule"):
+    with pytest.raises(ConfigError, match="attention_exchange='mosaic' moves the fused schedule"):
         default_config("tiny_cpu", num_devices=8, **{**COMMON, "parallel.intra": 4,
                                                      "parallel.attention_exchange": "mosaic"})
     mosaic = {**COMMON, "parallel.intra": 4, "parallel.moe_layer": "fused", "parallel.attention_exchange": "mosaic"}
