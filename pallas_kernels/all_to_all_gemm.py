@@ -48,47 +48,52 @@ def default_tiling(d: int) -> GemmTiling:
 
 
 def _send(x_gmem, recv_gmem, sems, *, n: int, axis, cta, send_ctas: int):
-    """One sending CTA (warpgroup 0): for each step j, its share of the boxes of x[r + j] (rows of x_gmem
-    [n * M, K]) into rank r + j's receive buffer at slot r; then one signal of that rank's step-j semaphore."""
+    """One sending CTA (warpgroup 0 copies; the buffers are allocated by all warpgroups, as multithreaded
+    kernels require): for each step j, its share of the boxes of x[r + j] (rows of x_gmem [n * M, K]) into
+    rank r + j's receive buffer at slot r; then one signal of that rank's step-j semaphore."""
+    @functools.partial(pl.run_scoped, buf=plgpu.SMEM((SEND_SLOTS, *SEND_BOX), x_gmem.dtype,
+                                                     transforms=swizzle_transforms(SEND_BOX[1], x_gmem.dtype)),
+                       loaded=plgpu.Barrier(num_barriers=SEND_SLOTS), collective_axes="wg")
+    def _scope(buf, loaded):
+        pl.when(lax.axis_index("wg") == 0)(functools.partial(_send_steps, x_gmem, recv_gmem, sems, buf, loaded,
+                                                             n=n, axis=axis, cta=cta, send_ctas=send_ctas))
+
+
+def _send_steps(x_gmem, recv_gmem, sems, buf, loaded, *, n: int, axis, cta, send_ctas: int):
     m, k = x_gmem.shape[0] // n, x_gmem.shape[1]
     rank = lax.axis_index(axis)
     box_m, box_k = SEND_BOX
     per_row = k // box_k
     boxes = (m // box_m) * per_row
     mine = (boxes - cta + send_ctas - 1) // send_ctas   # boxes cta, cta + send_ctas, ...
+    for j in range(n):   # static: a peer's TMA descriptor is built on the host, from the rank alone
+        dest = lax.rem(rank + j, n)
+        target = recv_gmem if j == 0 else plgpu.remote_ref(recv_gmem, {axis: dest})
 
-    @functools.partial(pl.run_scoped, buf=plgpu.SMEM((SEND_SLOTS, box_m, box_k), x_gmem.dtype,
-                                                     transforms=swizzle_transforms(box_k, x_gmem.dtype)),
-                       loaded=plgpu.Barrier(num_barriers=SEND_SLOTS))
-    def _scope(buf, loaded):
-        for j in range(n):   # static: a peer's TMA descriptor is built on the host, from the rank alone
-            dest = lax.rem(rank + j, n)
-            target = recv_gmem if j == 0 else plgpu.remote_ref(recv_gmem, {axis: dest})
+        def box(i):
+            b = cta + i * send_ctas
+            return pl.ds((b // per_row) * box_m, box_m), pl.ds((b % per_row) * box_k, box_k)
 
-            def box(i):
-                b = cta + i * send_ctas
-                return pl.ds((b // per_row) * box_m, box_m), pl.ds((b % per_row) * box_k, box_k)
+        def load(i):
+            rows, cols = box(i)
+            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(dest * m, m)].at[rows, cols], buf.at[i % SEND_SLOTS],
+                                    loaded.at[i % SEND_SLOTS])
 
-            def load(i):
-                rows, cols = box(i)
-                plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(dest * m, m)].at[rows, cols], buf.at[i % SEND_SLOTS],
-                                        loaded.at[i % SEND_SLOTS])
+        @pl.loop(0, jnp.minimum(mine, SEND_SLOTS - 1))
+        def _prologue(i):
+            load(i)
 
-            @pl.loop(0, jnp.minimum(mine, SEND_SLOTS - 1))
-            def _prologue(i):
-                load(i)
+        @pl.loop(0, mine)
+        def _boxes(i):
+            plgpu.barrier_wait(loaded.at[i % SEND_SLOTS])
+            rows, cols = box(i)
+            plgpu.copy_smem_to_gmem(buf.at[i % SEND_SLOTS], target.at[pl.ds(rank * m, m)].at[rows, cols])
+            # box i + SLOTS - 1 reuses the slot of box i - 1, whose store must have read it
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            pl.when(i + SEND_SLOTS - 1 < mine)(lambda: load(i + SEND_SLOTS - 1))
 
-            @pl.loop(0, mine)
-            def _boxes(i):
-                plgpu.barrier_wait(loaded.at[i % SEND_SLOTS])
-                rows, cols = box(i)
-                plgpu.copy_smem_to_gmem(buf.at[i % SEND_SLOTS], target.at[pl.ds(rank * m, m)].at[rows, cols])
-                # box i + SLOTS - 1 reuses the slot of box i - 1, whose store must have read it
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                pl.when(i + SEND_SLOTS - 1 < mine)(lambda: load(i + SEND_SLOTS - 1))
-
-            plgpu.wait_smem_to_gmem(0, wait_read_only=False)   # this step's boxes have landed
-            pl.semaphore_signal(sems[j], device_id={axis: dest})
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)   # this step's boxes have landed
+        pl.semaphore_signal(sems[j], device_id={axis: dest})
 
 
 def _kernel(x_gmem, w_gmem, y_gmem, recv_gmem=None, *, cfg: GemmTiling, n: int, axis, exchange: bool,
@@ -165,11 +170,7 @@ def _kernel(x_gmem, w_gmem, y_gmem, recv_gmem=None, *, cfg: GemmTiling, n: int, 
                 cur["wait"] = False
 
     if exchange:
-        @pl.when(cta < send_ctas)
-        def _sender():
-            @pl.when(lax.axis_index("wg") == 0)
-            def _():
-                _send(x_gmem, recv_gmem, sems, n=n, axis=axis, cta=cta, send_ctas=send_ctas)
+        pl.when(cta < send_ctas)(lambda: _send(x_gmem, recv_gmem, sems, n=n, axis=axis, cta=cta, send_ctas=send_ctas))
 
         pl.when(cta >= send_ctas)(compute)
     else:
