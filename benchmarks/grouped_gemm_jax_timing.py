@@ -247,12 +247,13 @@ def measure_dense(row, case, x, w, dy, flops, record, args):
 
 
 def sweep_backward(row, x, w, dy, gs, base, flops, record, args):
-    """The input- and weight-gradient kernels alone, default tiles against variants (128-wide K steps,
-    chained items, pipeline depth); each variant's output is compared with the default's (relative
-    Frobenius error, in row['errors'])."""
+    """The input- and weight-gradient kernels alone, default tiles against variants (128-wide K steps, for
+    the weight gradient 128 tokens per step; chained items; pipeline depth; warpgroup split); each variant's
+    output is compared with the default's (relative Frobenius error, in row['errors'])."""
     dgrad_variants = [dict(), dict(chain_items=True), dict(tile_k=128, max_concurrent_steps=2),
                       dict(tile_k=128, max_concurrent_steps=2, chain_items=True)]
-    wgrad_variants = [dict(), dict(max_concurrent_steps=3)]
+    wgrad_variants = [dict(), dict(max_concurrent_steps=3), dict(tile_k=128, max_concurrent_steps=2),
+                      dict(wg_split="n")]
     dyb = dy.astype(x.dtype)
     for kernel, variants in (("dgrad", dgrad_variants), ("wgrad", wgrad_variants)):
         ref = None

@@ -115,8 +115,12 @@ def _kernel(x_gmem, w_gmem, y_gmem, recv_gmem=None, *, cfg: GemmTiling, n: int, 
         return lax.rem(rank - j + n, n) if exchange else j
 
     def x_index(kk):
-        if cur["wait"]:   # only in the traced copy issue (memory warpgroup), not when jax probes the map
-            for j in range(1, n):
+        # Only in the traced copy issue (the memory warpgroup), not when jax probes the map: before the first
+        # load of source j's rows, wait until all its sending CTAs have signalled (j = 0 too: this rank's own
+        # rows reach the receive buffer by a local copy). Non-decrementing, so every work item may wait; the
+        # TMA loads after the wait read what the peers' TMA stores wrote, as in jax's all_gather_lhs_matmul.
+        if cur["wait"]:
+            for j in range(n):
                 @pl.when(kk == j * k_iters)
                 def _wait_for_source():
                     pl.semaphore_wait(sems[j], send_ctas, decrement=False)
