@@ -4,11 +4,12 @@ CPU: the twin's meaning on 4 simulated devices (y_r = sum_s x_s[r] @ w[s], from 
 equality with the ring schedule (parallel/ring_attention.py's project_heads_to_seq, a plain output
 projection); the kernel's compute side (exchange=False) in GPU interpret mode against an fp32 einsum, both
 warpgroup splits; the one-line errors. The interpreter has no semaphores or remote refs, so the exchange
-itself runs on the GPU: GPU (`-m gpu`, MEGASCALE_TEST_GPU=1): the compute side for real at Mixtral's
+itself runs on the GPU. GPU (`-m gpu`, MEGASCALE_TEST_GPU=1): the compute side for real at Mixtral's
 output-projection shapes; the whole kernel on a one-rank mesh (the senders copy this rank's rows locally);
-the exchange compiled for a mock topology of 2 and 8 GPUs. The remote stores and signals need peers: a mesh of one device reaches no peer through collective
-metadata and this XLA has no NVSHMEM (as for the GEMM + all-to-all kernel), so running the exchange against
-the twin needs >= 2 GPUs (the last test; skipped on fewer).
+the exchange compiled for a mock topology of 2 and 8 GPUs. The remote stores and signals need peers: a mesh
+of one device reaches no peer through collective metadata and this XLA has no NVSHMEM (as for the GEMM +
+all-to-all kernel), so running the exchange against the twin needs >= 2 GPUs (the last test; skipped on
+fewer).
 """
 import functools
 import json
