@@ -93,7 +93,7 @@ def _send_steps(x_gmem, recv_gmem, sems, buf, loaded, *, n: int, axis, cta, send
             pl.when(i + SEND_SLOTS - 1 < mine)(lambda: load(i + SEND_SLOTS - 1))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)   # this step's boxes have landed
-        if j == 0:   # this rank's own rows: a local signal (so a one-rank mesh runs the kernel, no peer involved)
+        if j == 0:   # this rank's own rows: a local signal
             pl.semaphore_signal(sems[0])
         else:
             pl.semaphore_signal(sems[j], device_id={axis: dest})
