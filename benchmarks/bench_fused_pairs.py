@@ -95,15 +95,16 @@ def measure(args) -> dict:
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     keys = jax.random.split(jax.random.key(0), 4)
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    normal = lambda i, shape, scale=1.0: (jax.random.normal(keys[i], shape, jnp.float32) * scale).astype(dtype)  # noqa: E731
     pairs = {
         "gemm_a2a": dict(
-            args=(put(jax.random.normal(keys[0], (n * t, dim), jnp.float32).astype(dtype), P(AXIS)),
-                  put((jax.random.normal(keys[1], (n * n, dim, f), jnp.float32) / np.sqrt(dim)).astype(dtype), P(AXIS))),
+            args=(put(normal(0, (n * t, dim)), P(AXIS)),
+                  put(normal(1, (n * n, dim, f), 1 / np.sqrt(dim)), P(AXIS))),
             specs=(P(AXIS), P(AXIS)), flops=2 * t * dim * f * n,
             variants=_variants(on_gpu, n, gemm_all_to_all, ring_gemm_all_to_all, gemm_all_to_all_reference)),
         "a2a_gemm": dict(
-            args=(put(jax.random.normal(keys[2], (n * n, t, kcols), jnp.float32).astype(dtype), P(AXIS)),
-                  put((jax.random.normal(keys[3], (n, kcols, dim), jnp.float32) / np.sqrt(n * kcols)).astype(dtype), P())),
+            args=(put(normal(2, (n * n, t, kcols)), P(AXIS)),
+                  put(normal(3, (n, kcols, dim), 1 / np.sqrt(n * kcols)), P())),
             specs=(P(AXIS), P()), flops=2 * t * n * kcols * dim,
             variants=_variants(on_gpu, n, all_to_all_gemm, ring_all_to_all_gemm, all_to_all_gemm_reference)),
     }

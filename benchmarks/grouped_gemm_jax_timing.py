@@ -263,10 +263,12 @@ def sweep_backward(row, x, w, dy, gs, base, flops, record, args):
                 continue
             tuning = dataclasses.replace(base, **{kernel: cfg})
             if kernel == "dgrad":
-                f = jax.jit(lambda dy, w, gs, t=tuning: grouped_gemm_dgrad(dy, w, gs, tuning=t, interpret=args.interpret))
+                f = jax.jit(lambda dy, w, gs, t=tuning: grouped_gemm_dgrad(dy, w, gs, tuning=t,
+                                                                           interpret=args.interpret))
                 argv = (dyb, w, gs)
             else:
-                f = jax.jit(lambda x, dy, gs, t=tuning: grouped_gemm_wgrad(x, dy, gs, tuning=t, interpret=args.interpret))
+                f = jax.jit(lambda x, dy, gs, t=tuning: grouped_gemm_wgrad(x, dy, gs, tuning=t,
+                                                                           interpret=args.interpret))
                 argv = (x, dyb, gs)
             label = f"ours_{kernel}[{tiling_label(cfg)}]/{kernel}"
             record(label, f, argv, flops, do_check=False)

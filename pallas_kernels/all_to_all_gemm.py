@@ -33,6 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, SUPPORTED_IN_DTYPES, GemmTiling, epilogue_smem,
                                            fit_smem, fit_tiling, sm_count, store_rows, swizzle_transforms)
+from pallas_kernels._peer_checks import check_exchange_runnable
 from pallas_kernels.varying import vary_like
 
 __all__ = ["all_to_all_gemm", "all_to_all_gemm_reference", "default_tiling", "SEND_BOX", "DEFAULT_SEND_CTAS"]
@@ -237,20 +238,8 @@ def all_to_all_gemm(x_NMK, w_NKD, *, axis, tiling: GemmTiling | None = None, exc
     if not exchange:
         out = _launch(x_NMK, w_NKD, cfg, axis, False, num_sms or sm_count(interpret), 0, interpret)
         return vary_like(out, x_NMK, w_NKD)
-    if interpret:
-        raise ValueError("all_to_all_gemm(interpret=True) needs exchange=False: the interpreter has no "
-                         "semaphores or remote refs")
-    if jax.default_backend() != "gpu":
-        raise ValueError(f"all_to_all_gemm(exchange=True) is a Mosaic GPU kernel; the backend is "
-                         f"{jax.default_backend()!r}: use all_to_all_gemm_reference there")
-    # Not yet run with several processes (Mosaic reaches peers through XLA's collective metadata). A mock
-    # topology (compile-only tests) reports one process per mock host, but nothing runs there.
-    if jax.process_count() > 1 and not jax.config.values.get("jax_mock_gpu_topology"):
-        raise ValueError(f"all_to_all_gemm(exchange=True) needs one process driving all GPUs; this job has "
-                         f"{jax.process_count()} processes: use the ring exchange (parallel.attention_exchange='ring')")
-    if x_NMK.shape[0] != lax.axis_size(axis):
-        raise ValueError(f"x_NMK has {x_NMK.shape[0]} destinations but axis {axis!r} has "
-                         f"{lax.axis_size(axis)} ranks; they must match")
+    check_exchange_runnable("all_to_all_gemm", interpret=interpret, ranks=x_NMK.shape[0], operand="x_NMK",
+                            axis=axis)
     sms = num_sms or sm_count(False)
     if not 0 < send_ctas < sms:
         raise ValueError(f"send_ctas={send_ctas} must be between 1 and the SM count - 1 ({sms - 1})")

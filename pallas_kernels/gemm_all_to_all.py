@@ -36,6 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, SUPPORTED_IN_DTYPES, GemmTiling, epilogue_smem,
                                            fit_smem, fit_tiling, sm_count, store_rows, swizzle_transforms)
+from pallas_kernels._peer_checks import check_exchange_runnable
 from pallas_kernels.varying import vary_like
 
 __all__ = ["gemm_all_to_all", "gemm_all_to_all_reference", "default_tiling"]
@@ -170,20 +171,8 @@ def gemm_all_to_all(x_MD, w_NDF, *, axis, tiling: GemmTiling | None = None, exch
     if not exchange:
         out = _launch(x_MD, w_NDF, cfg, axis, False, num_sms or sm_count(interpret), interpret)
         return vary_like(out, x_MD, w_NDF)
-    if interpret:
-        raise ValueError("gemm_all_to_all(interpret=True) needs exchange=False: the interpreter has no "
-                         "semaphores or remote refs")
-    if jax.default_backend() != "gpu":
-        raise ValueError(f"gemm_all_to_all(exchange=True) is a Mosaic GPU kernel; the backend is "
-                         f"{jax.default_backend()!r}: use gemm_all_to_all_reference there")
-    # Not yet run with several processes (Mosaic reaches peers through XLA's collective metadata). A mock
-    # topology (compile-only tests) reports one process per mock host, but nothing runs there.
-    if jax.process_count() > 1 and not jax.config.values.get("jax_mock_gpu_topology"):
-        raise ValueError(f"gemm_all_to_all(exchange=True) needs one process driving all GPUs; this job has "
-                         f"{jax.process_count()} processes: use the ring exchange (parallel.attention_exchange='ring')")
-    if w_NDF.shape[0] != lax.axis_size(axis):
-        raise ValueError(f"w_NDF has {w_NDF.shape[0]} destinations but axis {axis!r} has "
-                         f"{lax.axis_size(axis)} ranks; they must match")
+    check_exchange_runnable("gemm_all_to_all", interpret=interpret, ranks=w_NDF.shape[0], operand="w_NDF",
+                            axis=axis)
     return _exchanged(x_MD, w_NDF, cfg, axis, num_sms or sm_count(False))
 
 
