@@ -11,15 +11,16 @@ of copying them, and `grouped_gemm.py` keeps the kernel bodies, launch, validati
   * Work tables:  `group_bounds`, `prefix_sum`, `row_tile_table` (forward, input gradient),
                   `token_block_table` (weight gradient): plain jnp computed on device before a launch, read
                   by the persistent loop.
-  * Tile helpers inside kernel bodies: `swizzle_transforms`, `epilogue_smem` + `store_rows` (the ragged-row
-                  TMA epilogue, also storing zero tiles without any loads),
-                  `mask_token_rows`.
+  * Tile helpers inside kernel bodies: `swizzle_transforms`, `warpgroup_tile` (a warpgroup's part of the
+                  CTA tile), `epilogue_smem` + `store_rows` (the ragged-row TMA epilogue, also storing zero tiles
+                  without any loads), `mask_token_rows`.
 The module is private (underscore); its names are not, because sibling kernels import them.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -346,6 +347,22 @@ def store_rows(acc, out_smem, out_gmem, row0, col0, cfg: GemmTiling, rows=None):
             start = start + (count & bit)
             bit >>= 1
         plgpu.commit_smem_to_gmem_group()   # the chunk's stores are one bulk group for the waits above
+
+
+class WarpgroupTile(NamedTuple):
+    """Warpgroup `wg`'s part of a CTA tile: its row and column slices of the CTA's operand / accumulator
+    tiles (a slice(None) on the side the warpgroups share) and its first row and column inside the CTA tile."""
+    rows: object
+    cols: object
+    row0: object
+    col0: object
+
+
+def warpgroup_tile(cfg: GemmTiling, wg) -> WarpgroupTile:
+    by_m, by_n = cfg.wg_split == "m", cfg.wg_split == "n"
+    return WarpgroupTile(rows=pl.ds(wg * cfg.tile_m, cfg.tile_m) if by_m else slice(None),
+                         cols=pl.ds(wg * cfg.tile_n, cfg.tile_n) if by_n else slice(None),
+                         row0=wg * cfg.tile_m if by_m else 0, col0=wg * cfg.tile_n if by_n else 0)
 
 
 def mask_token_rows(ref, row0, start, end):

@@ -32,7 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, SUPPORTED_IN_DTYPES, GemmTiling, epilogue_smem,
-                                           fit_smem, fit_tiling, sm_count, store_rows, swizzle_transforms)
+                                           fit_smem, fit_tiling, sm_count, store_rows, swizzle_transforms,
+                                           warpgroup_tile)
 from pallas_kernels._peer_checks import check_exchange_runnable
 from pallas_kernels.varying import vary_like
 
@@ -150,10 +151,7 @@ def _kernel(x_gmem, w_gmem, y_gmem, recv_gmem=None, *, cfg: GemmTiling, n: int, 
                            out_smem=epilogue_smem(cfg, y_gmem.dtype))
         def _scope(allocs, out_smem):
             wg = lax.axis_index("wg")
-            wg_m = pl.ds(wg * cfg.tile_m, cfg.tile_m) if cfg.wg_split == "m" else slice(None)
-            wg_n = pl.ds(wg * cfg.tile_n, cfg.tile_n) if cfg.wg_split == "n" else slice(None)
-            wg_row0 = wg * cfg.tile_m if cfg.wg_split == "m" else 0
-            wg_col0 = wg * cfg.tile_n if cfg.wg_split == "n" else 0
+            wg_m, wg_n, wg_row0, wg_col0 = warpgroup_tile(cfg, wg)
 
             def mma(_, x_smem, w_smem, acc_ref):
                 plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_smem.at[:, wg_n])

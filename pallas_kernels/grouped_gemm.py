@@ -31,7 +31,7 @@ from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedG
                                            check_group_sizes, check_tiling, check_tuning_enums,
                                            default_kernel_tuning, default_tuning, epilogue_smem, fit_ragged_tiling,
                                            fit_smem, mask_token_rows, row_tile_table, sm_count, store_rows,
-                                           swizzle_transforms, token_block_table)
+                                           swizzle_transforms, token_block_table, warpgroup_tile)
 from pallas_kernels.grouped_gemm_reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
                                                    grouped_gemm_wgrad_reference)
 from pallas_kernels.varying import match_varying, vary_like
@@ -82,10 +82,7 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
     def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")
         num_compute, num_tail = num_valid_ref[0], num_valid_ref[1]
-        wg_m = pl.ds(wg * cfg.tile_m, cfg.tile_m) if cfg.wg_split == "m" else slice(None)
-        wg_n = pl.ds(wg * cfg.tile_n, cfg.tile_n) if cfg.wg_split == "n" else slice(None)
-        wg_row0 = wg * cfg.tile_m if cfg.wg_split == "m" else 0
-        wg_col0 = wg * cfg.tile_n if cfg.wg_split == "n" else 0
+        wg_m, wg_n, wg_row0, wg_col0 = warpgroup_tile(cfg, wg)
 
         def store(acc, slot, ni):
             """This warpgroup's part of work item (slot, ni): acc (fp32) or zeros (acc None)."""
@@ -175,10 +172,7 @@ def _weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTiling)
             ki, ni = plgpu.planar_snake(info.index[1], (k_iters, n_iters), cfg.grid_minor,
                                         cfg.grid_tile_width)
             first, num_blocks, start, end = (table_ref[i, g] for i in range(4))
-            wg_k = pl.ds(wg * cfg.tile_m, cfg.tile_m) if cfg.wg_split == "m" else slice(None)
-            wg_n = pl.ds(wg * cfg.tile_n, cfg.tile_n) if cfg.wg_split == "n" else slice(None)
-            wg_row0 = wg * cfg.tile_m if cfg.wg_split == "m" else 0
-            wg_col0 = wg * cfg.tile_n if cfg.wg_split == "n" else 0
+            wg_k, wg_n, wg_row0, wg_col0 = warpgroup_tile(cfg, wg)
 
             def context(eval_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
