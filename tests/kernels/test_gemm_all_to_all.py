@@ -6,8 +6,9 @@ one-line errors. The interpreter has no semaphores or remote refs, so the exchan
 GPU (`-m gpu`, MEGASCALE_TEST_GPU=1): the compute side for real at Mixtral's shapes; the exchange compiled
 for a mock topology of 2 and 8 GPUs. A one-rank mesh cannot run the exchange: Mosaic GPU reaches peers
 through XLA's collective metadata only for meshes of more than one device, and falls back to NVSHMEM, which
-this XLA build does not have ("NVSHMEM is not supported in XLA", jax 0.11.2 on the H200). So running it, forward
-and gradients against the twin, needs >= 2 GPUs (the last test; skipped on fewer).
+this XLA build does not have ("NVSHMEM is not supported in XLA", jax 0.11.2 on the H200; a kernel with global
+semaphores takes that path even without a remote ref, tests/kernels/test_all_to_all_gemm.py). So running it,
+forward and gradients against the twin, needs >= 2 GPUs (the last test; skipped on fewer).
 """
 import functools
 import json
