@@ -130,7 +130,9 @@ def parse_args(argv=None):
     # 20, not 5: a loop of 5 timed the block at 36.4 ms per call where its trace shows 34.9 ms of GPU work and 48 us
     # idle per call, so the loop's ends (first dispatch, final sync) were ~1.5 ms per call (profile_block_1xh200.json)
     p.add_argument("--iters", type=int, default=20, help="calls per timed loop")
-    p.add_argument("--reps", type=int, default=3, help="timed loops (median)")
+    # 5, not 3: in two runs one of ours_block's loops was 18-31% slower than the rest (peers_1xh200.json,
+    # peers_block_dgrad_tiles_1xh200.json); with 3 loops one such loop is a third of the sample
+    p.add_argument("--reps", type=int, default=5, help="timed loops (median)")
     p.add_argument("--only", default="", help="comma list of variant names")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test; xla fallbacks)")
     p.add_argument("--list", action="store_true", help="print the plan and exit")
