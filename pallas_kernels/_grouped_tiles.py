@@ -12,8 +12,8 @@ of copying them, and `grouped_gemm.py` keeps the kernel bodies, launch, validati
                   `token_block_table` (weight gradient): plain jnp computed on device before a launch, read
                   by the persistent loop.
   * Tile helpers inside kernel bodies: `swizzle_transforms`, `warpgroup_tile` (a warpgroup's part of the
-                  CTA tile), `epilogue_smem` + `store_rows` (the ragged-row TMA epilogue, also storing zero tiles
-                  without any loads), `mask_token_rows`.
+                  CTA tile) and `warpgroup_mma` (its plain K-step body), `epilogue_smem` + `store_rows` (the
+                  ragged-row TMA epilogue, also storing zero tiles without any loads), `mask_token_rows`.
 The module is private (underscore); its names are not, because sibling kernels import them.
 """
 from __future__ import annotations
@@ -363,6 +363,16 @@ def warpgroup_tile(cfg: GemmTiling, wg) -> WarpgroupTile:
     return WarpgroupTile(rows=pl.ds(wg * cfg.tile_m, cfg.tile_m) if by_m else slice(None),
                          cols=pl.ds(wg * cfg.tile_n, cfg.tile_n) if by_n else slice(None),
                          row0=wg * cfg.tile_m if by_m else 0, col0=wg * cfg.tile_n if by_n else 0)
+
+
+def warpgroup_mma(tile: WarpgroupTile):
+    """The K-step body of a pipeline over x [cta_m, tile_k] and w [tile_k, cta_n] SMEM tiles: this warpgroup's
+    wgmma into its accumulator, waited for (the pipeline then releases the step's SMEM slot)."""
+    def mma(_, x_smem, w_smem, acc_ref):
+        plgpu.wgmma(acc_ref, x_smem.at[tile.rows], w_smem.at[:, tile.cols])
+        plgpu.wgmma_wait(0)
+        return acc_ref
+    return mma
 
 
 def mask_token_rows(ref, row0, start, end):

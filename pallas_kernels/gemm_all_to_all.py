@@ -36,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, SUPPORTED_IN_DTYPES, GemmTiling, epilogue_smem,
                                            fit_smem, fit_tiling, sm_count, store_rows, swizzle_transforms,
-                                           warpgroup_tile)
+                                           warpgroup_mma, warpgroup_tile)
 from pallas_kernels._peer_checks import check_exchange_runnable
 from pallas_kernels.varying import vary_like
 
@@ -73,12 +73,9 @@ def _kernel(x_gmem, w_gmem, out_gmem, *, cfg: GemmTiling, axis, exchange: bool, 
                        out_smem=epilogue_smem(cfg, out_gmem.dtype))
     def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")
-        wg_m, wg_n, wg_row0, wg_col0 = warpgroup_tile(cfg, wg)
-
-        def mma(_, x_smem, w_smem, acc_ref):
-            plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_smem.at[:, wg_n])
-            plgpu.wgmma_wait(0)
-            return acc_ref
+        tile = warpgroup_tile(cfg, wg)
+        wg_row0, wg_col0 = tile.row0, tile.col0
+        mma = warpgroup_mma(tile)
 
         def run_item(step, mi, ni):
             if exchange:        # step j: the columns of rank r + j, stored into its buffer at my slot

@@ -12,9 +12,6 @@ kernel), so running it against the twin needs >= 2 GPUs (the last test; skipped 
 """
 import functools
 import json
-import os
-import re
-import subprocess
 import sys
 
 import jax
@@ -27,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 from megascale_jax.parallel.ring_attention import project_heads_to_seq
 from pallas_kernels.all_to_all_gemm import all_to_all_gemm, all_to_all_gemm_reference, default_tiling
 from pallas_kernels.grouped_gemm import GemmTiling
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.kernels.exchange_reports import (assert_equals_twin, compile_report, report_in_subprocess,
+                                            twin_report)
 
 
 def _operands(seed, n, m, k, d):
@@ -130,9 +127,7 @@ def _exchange_compile_report(topology: str) -> dict:
     w = jax.ShapeDtypeStruct((n, 512, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
     fn = jax.shard_map(lambda x, w: all_to_all_gemm(x, w, axis="x")[None], mesh=mesh, in_specs=(P("x"), P()),
                        out_specs=P("x"), check_vma=False)
-    fwd = jax.jit(fn).lower(x, w).compile().as_text()
-    return {"devices": n, "mosaic_calls": fwd.count("mosaic_gpu"),
-            "collective_metadata": re.search(r"uses_xla_collective_metadata\W+true", fwd) is not None}
+    return compile_report(jax.jit(fn), x, w)
 
 
 @pytest.mark.gpu
@@ -140,12 +135,7 @@ def _exchange_compile_report(topology: str) -> dict:
 def test_gpu_exchange_kernel_compiles_for_several_gpus(topology):
     """The exchange (remote_ref stores from the sending CTAs, per-step semaphores, waits inside the GEMM's
     loads) lowers through XLA's collective metadata for 2 and 8 ranks. Running it: the test below."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"   # compile only: no timing
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), topology], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = report_in_subprocess(__file__, topology, timeout=120, compile_only=True)
     assert report["devices"] == int(topology.split("x")[1]) and report["mosaic_calls"] >= 1, report
     assert report["collective_metadata"], report
 
@@ -161,16 +151,7 @@ def _exchange_run_report() -> dict:
     x, w = jax.device_put(x, NamedSharding(mesh, P("x"))), jax.device_put(w, NamedSharding(mesh, P()))
     wrap = lambda fn: jax.jit(jax.shard_map(lambda x, w: fn(x, w, axis="x")[None], mesh=mesh,  # noqa: E731
                                             in_specs=(P("x"), P()), out_specs=P("x")))
-    fused, twin = wrap(all_to_all_gemm), wrap(all_to_all_gemm_reference)
-    got, want = _f32(fused(x, w)), _f32(twin(x, w))
-    again = _f32(fused(x, w))                    # a second launch gives the same bits
-    dy = jax.random.normal(keys[2], got.shape, jnp.float32).astype(jnp.bfloat16)
-    loss = lambda fn: lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) * dy)  # noqa: E731
-    grads = [jax.jit(jax.grad(loss(fn), argnums=(0, 1)))(x, w) for fn in (fused, twin)]
-    return {"devices": n, "max_abs_err": float(np.max(np.abs(got - want))), "max_abs_ref": float(np.max(np.abs(want))),
-            "repeat_identical": bool(np.array_equal(again, got)),
-            "grad_max_rel_err": max(float(np.max(np.abs(_f32(a) - _f32(b))) / np.max(np.abs(_f32(b))))
-                                    for a, b in zip(*grads))}
+    return twin_report(wrap(all_to_all_gemm), wrap(all_to_all_gemm_reference), x, w, keys[2])
 
 
 @pytest.mark.gpu
@@ -179,14 +160,7 @@ def test_gpus_exchange_equals_the_twin_forward_and_gradients():
     kernel rather than failing it. The gradients check the custom VJP's wiring (its backward is the twin's)."""
     if jax.device_count() < 2:
         pytest.skip(f"the exchange needs >= 2 GPUs, this machine has {jax.device_count()}")
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "run"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["devices"] >= 2 and report["repeat_identical"], report
-    assert report["max_abs_err"] <= 1e-2 * max(1.0, report["max_abs_ref"]), report   # bf16 output rounding
-    assert report["grad_max_rel_err"] < 2e-2, report
+    assert_equals_twin(report_in_subprocess(__file__, "run", timeout=300))
 
 
 if __name__ == "__main__":   # the reports the GPU tests above run in a subprocess

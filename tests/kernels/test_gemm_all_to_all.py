@@ -12,9 +12,6 @@ forward and gradients against the twin, needs >= 2 GPUs (the last test; skipped 
 """
 import functools
 import json
-import os
-import re
-import subprocess
 import sys
 
 import jax
@@ -26,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.gemm_all_to_all import default_tiling, gemm_all_to_all, gemm_all_to_all_reference
 from pallas_kernels.grouped_gemm import GemmTiling
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.kernels.exchange_reports import (assert_equals_twin, compile_report, hlo_report,
+                                            report_in_subprocess, twin_report)
 
 
 def _operands(seed, n, m, d, f):
@@ -108,9 +105,7 @@ def _exchange_compile_report(topology: str) -> dict:
     w = jax.ShapeDtypeStruct((n * n, 4096, 768), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
     fn = jax.shard_map(lambda x, w: gemm_all_to_all(x, w, axis="x")[None], mesh=mesh, in_specs=(P("x"), P("x")),
                        out_specs=P("x"), check_vma=False)
-    fwd = jax.jit(fn).lower(x, w).compile().as_text()
-    return {"devices": n, "mosaic_calls": fwd.count("mosaic_gpu"),
-            "collective_metadata": re.search(r"uses_xla_collective_metadata\W+true", fwd) is not None}
+    return compile_report(jax.jit(fn), x, w)
 
 
 @pytest.mark.gpu
@@ -118,12 +113,7 @@ def _exchange_compile_report(topology: str) -> dict:
 def test_gpu_exchange_kernel_compiles_for_several_gpus(topology):
     """The exchange (remote_ref stores, semaphores) lowers through XLA's collective metadata for 2 and 8
     ranks. Running it needs as many GPUs: the test below."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"   # compile only: no timing
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), topology], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = report_in_subprocess(__file__, topology, timeout=120, compile_only=True)
     assert report["devices"] == int(topology.split("x")[1]) and report["mosaic_calls"] >= 1, report
     assert report["collective_metadata"], report
 
@@ -139,16 +129,7 @@ def _exchange_run_report() -> dict:
     x, w = (jax.device_put(a, NamedSharding(mesh, P("x"))) for a in (x, w))
     wrap = lambda fn: jax.jit(jax.shard_map(lambda x, w: fn(x, w, axis="x")[None], mesh=mesh,  # noqa: E731
                                             in_specs=(P("x"), P("x")), out_specs=P("x")))
-    fused, twin = wrap(gemm_all_to_all), wrap(gemm_all_to_all_reference)
-    got, want = _f32(fused(x, w)), _f32(twin(x, w))
-    again = _f32(fused(x, w))                    # a second launch gives the same bits
-    dy = jax.random.normal(keys[2], got.shape, jnp.float32).astype(jnp.bfloat16)
-    loss = lambda fn: lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) * dy)  # noqa: E731
-    grads = [jax.jit(jax.grad(loss(fn), argnums=(0, 1)))(x, w) for fn in (fused, twin)]
-    return {"devices": n, "max_abs_err": float(np.max(np.abs(got - want))), "max_abs_ref": float(np.max(np.abs(want))),
-            "repeat_identical": bool(np.array_equal(again, got)),
-            "grad_max_rel_err": max(float(np.max(np.abs(_f32(a) - _f32(b))) / np.max(np.abs(_f32(b))))
-                                    for a, b in zip(*grads))}
+    return twin_report(wrap(gemm_all_to_all), wrap(gemm_all_to_all_reference), x, w, keys[2])
 
 
 @pytest.mark.gpu
@@ -157,14 +138,7 @@ def test_gpus_exchange_equals_the_twin_forward_and_gradients():
     kernel rather than failing it. The gradients check the custom VJP's wiring (its backward is the twin's)."""
     if jax.device_count() < 2:
         pytest.skip(f"the exchange needs >= 2 GPUs, this machine has {jax.device_count()}")
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "run"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["devices"] >= 2 and report["repeat_identical"], report
-    assert report["max_abs_err"] <= 1e-2 * max(1.0, report["max_abs_ref"]), report   # bf16 output rounding
-    assert report["grad_max_rel_err"] < 2e-2, report
+    assert_equals_twin(report_in_subprocess(__file__, "run", timeout=300))
 
 
 def _fused_block_compile_report() -> dict:
@@ -180,20 +154,14 @@ def _fused_block_compile_report() -> dict:
     hlo = block_step_hlo(dispatch="all_gather", chunks=1, remat="none", moe_layer="fused", shape=shape, batch=2,
                          seq=512, dtype="bfloat16",
                          kernels=Kernels(attention="cudnn", grouped_gemm="xla"), attention_exchange="mosaic")
-    return {"mosaic_calls": hlo.count("mosaic_gpu"),
-            "collective_metadata": re.search(r"uses_xla_collective_metadata\W+true", hlo) is not None}
+    return hlo_report(hlo)
 
 
 @pytest.mark.gpu
 def test_gpu_fused_block_with_the_mosaic_exchange_compiles_for_8_gpus():
     """The model path (layouts' RingUlyssesAttention(exchange='mosaic') -> ring_attention's kernel schedule ->
     this kernel) lowers inside the per-device step's shard_map with its typing, forward and backward."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "block"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = report_in_subprocess(__file__, "block", timeout=150, compile_only=True)
     assert report["mosaic_calls"] >= 1 and report["collective_metadata"], report
 
 
