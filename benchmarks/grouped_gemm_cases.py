@@ -50,7 +50,7 @@ ISSUE10_ROWS = [
 #   timed loops 56 x ~0.6 s ~35 s; data + sampled checks 9 shapes x ~2 s + 20 cases x ~0.5 s ~30 s.
 #   Total ~3-3.5 min (`--list` prints the same rough model), inside 6; --time-budget-s 330 starts no new
 #   timing after 330 s, so the JSON and the table are written even if compiles are much slower than guessed.
-SUITES = {"issue10": dict(impls=("ours", "ours_k64", "ours_dgrad_k64", "dense_same_flops")),
+SUITES = {"issue10": dict(impls=("ours", "ours_grid_tiles", "dense_same_flops")),
           "tiny": dict(impls=("ours", "dense_same_flops"))}
 # CPU smoke of the whole pipeline (interpret mode): tiny shapes, every routing, tile-aligned K and N
 TINY_ROWS = {"tiny_g4": (512, 128, 256, 4), "tiny_g1": (256, 128, 256, 1)}

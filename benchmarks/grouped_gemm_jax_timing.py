@@ -106,6 +106,9 @@ def jax_impls(m, k, n, g, args):
     # the work tables by cumsum + searchsorted (GroupedGemmTuning.tables, the default before "fused"), same kernel
     impls["ours_scan_tables"] = lambda x, w, gs: grouped_gemm(
         x, w, gs, interpret=interp, tuning=dataclasses.replace(default_tuning(m, k, n, g), tables="scan"))
+    # row tiles on one grid over all rows (GroupedGemmTuning.row_tiles, the default before "group"), same tiles
+    impls["ours_grid_tiles"] = lambda x, w, gs: grouped_gemm(
+        x, w, gs, interpret=interp, tuning=dataclasses.replace(default_tuning(m, k, n, g), row_tiles="grid"))
     # the forward tiles before the shape rule for large experts (64-wide K steps, four deep), where they differ
     base = default_tuning(m, k, n, g)
     if base.fwd.tile_k != 64:

@@ -21,6 +21,8 @@ def verdicts(results: dict, shapes: Shapes) -> dict:
            "ours_over_torchtitan": (tt / ours) if ours and tt else None}
     o2, t2 = ms("ours_2layer"), ms("torchtitan_2layer")
     out["ours_over_torchtitan_2layer"] = (t2 / o2) if o2 and t2 else None
+    grid = ms("ours_block_grid_tiles")   # the same block, row tiles on one grid (the A/B of the tile layout)
+    out["ours_grid_tiles_over_ours"] = (grid / ours) if grid and ours else None
     dense = ms("jax_dense_gemm")
     if dense and ours:
         n = 8192

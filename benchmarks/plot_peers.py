@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import sys
 
-BLOCK_ORDER = ["ours_block", "stock_bound", "torchtitan_block", "stock_capacity", "stock_ragged",
-               "ours_2layer", "torchtitan_2layer"]
+BLOCK_ORDER = ["ours_block", "ours_block_grid_tiles", "stock_bound", "torchtitan_block", "stock_capacity",
+               "stock_ragged", "ours_2layer", "torchtitan_2layer"]
 
 
 def bars(doc: dict) -> list[tuple[str, float, float]]:

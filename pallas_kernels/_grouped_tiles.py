@@ -8,7 +8,8 @@ of copying them, and `grouped_gemm.py` keeps the kernel bodies, launch, validati
                   `sm_count` (the persistent grid's size).
   * Checks:       `check_tiling` (a hand-made tuning fits the shape), `check_dtypes`, `check_group_sizes`,
                   `check_tuning_enums`: what every entry point's validation shares, with the same messages.
-  * Work tables:  `group_bounds`, `prefix_sum`, `row_tile_table` (forward, input gradient),
+  * Work tables:  `group_bounds`, `prefix_sum`, `row_tile_table` (forward, input gradient; tiles
+                  aligned to each group or to one grid),
                   `token_block_table` (weight gradient): plain jnp computed on device before a launch, read
                   by the persistent loop.
   * Tile helpers inside kernel bodies: `swizzle_transforms`, `warpgroup_tile` (a warpgroup's part of the
@@ -81,7 +82,12 @@ class GroupedGemmTuning:
     way, see `row_tile_table`): 'scan' (cumsum + searchsorted) or 'fused' (masked sums: no scan, no while
     loop), the default: on the H200 (benchmarks/results/grouped_gemm_profile_h200.json, Qwen3-30B-A3B EP1
     forward) 'scan' ran 25 small kernels (27-29 us) plus launch gaps before each ~0.2-0.3 ms GEMM, 'fused' 6
-    (7-8 us): 466 -> 513 (padded), 612 -> 686 (half_empty), 586 -> 601 (uniform) TFLOP/s per call."""
+    (7-8 us): 466 -> 513 (padded), 612 -> 686 (half_empty), 586 -> 601 (uniform) TFLOP/s per call.
+
+    `row_tiles` says where the forward / input-gradient row tiles start (see `row_tile_table`): 'group' (each
+    group's tiles start at its own first row, so a group of s rows costs cdiv(s, tile) tiles) or 'grid' (one
+    grid of tiles over all M rows, a tile straddling a group boundary computed once per group: a group at a
+    random offset costs one tile more on average)."""
 
     fwd: GemmTiling = GemmTiling()
     dgrad: GemmTiling = GemmTiling()
@@ -89,6 +95,7 @@ class GroupedGemmTuning:
     num_sms: int | None = None
     zero_tail: str = "kernel"
     tables: str = "fused"
+    row_tiles: str = "group"
 
 
 def fit_tiling(base: GemmTiling, n_cols: int, name: str) -> GemmTiling:
@@ -216,9 +223,11 @@ def check_dtypes(a_name, a, b_name, b, preferred_element_type):
 
 
 def check_tuning_enums(tuning):
-    """The tuning's enums (zero_tail, tables)."""
+    """The tuning's enums (zero_tail, tables, row_tiles)."""
     if tuning.zero_tail not in ("kernel", "mask"):
         raise ValueError(f"tuning.zero_tail must be 'kernel' or 'mask', got {tuning.zero_tail!r}")
+    if tuning.row_tiles not in ROW_TILE_ALIGNMENTS:
+        raise ValueError(f"tuning.row_tiles must be one of {ROW_TILE_ALIGNMENTS}, got {tuning.row_tiles!r}")
     if tuning.tables not in TABLE_METHODS:
         raise ValueError(f"tuning.tables must be one of {TABLE_METHODS}, got {tuning.tables!r}")
 
@@ -227,10 +236,11 @@ def check_tuning_enums(tuning):
 # Work-item tables (plain jnp, computed on device before the kernels run)
 # ----------------------------------------------------------------------------------------------------
 def group_bounds(group_sizes_G, m):
-    """[start, end) rows of each group, cut at m as ragged_dot cuts them."""
-    ends = jnp.minimum(jnp.cumsum(group_sizes_G.astype(jnp.int32)), m)
+    """[start, end) rows of each group, cut at m as ragged_dot cuts them; a negative size (invalid input the
+    kernels cannot reject, the sizes being traced) counts as 0, so no bound ever leaves [0, m]."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_G.astype(jnp.int32), 0)), m)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    return starts, jnp.maximum(ends, starts)
+    return starts, ends
 
 
 def prefix_sum(v_G):
@@ -242,10 +252,9 @@ def prefix_sum(v_G):
 
 def _fused_group_bounds(group_sizes_G, m):
     """`group_bounds` with the prefix sum as `prefix_sum` (same values)."""
-    sizes = group_sizes_G.astype(jnp.int32)
+    sizes = jnp.maximum(group_sizes_G.astype(jnp.int32), 0)
     inclusive = prefix_sum(sizes)
-    starts = jnp.minimum(inclusive - sizes, m)
-    return starts, jnp.maximum(jnp.minimum(inclusive, m), starts)
+    return jnp.minimum(inclusive - sizes, m), jnp.minimum(inclusive, m)
 
 
 TABLE_METHODS = ("scan", "fused")
@@ -257,35 +266,50 @@ def _table_method(method: str) -> str:
     return method
 
 
-def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True, method: str = "fused"):
-    """int32 [4, S]: for each (segment, row tile) work slot its segment, tile index, first row inside the
-    tile and row count; and int32 [2], the numbers of compute slots and of zero-tail slots after them.
-    Segment G is the tail past sum(group_sizes): it is stored as zeros. S = cdiv(m, tile) + G bounds the slot count (each boundary
-    adds at most one tile); the kernel loops over the valid slots only, so spare ones cost nothing and
-    do not unbalance the SMs.
+ROW_TILE_ALIGNMENTS = ("group", "grid")
+
+
+def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True, method: str = "fused",
+                   align: str = "group"):
+    """int32 [4, S]: for each (segment, row tile) work slot its segment, the tile's first row, the first row
+    of the segment inside the tile and the segment's row count in it; and int32 [2], the numbers of compute
+    slots and of zero-tail slots after them. Segment G is the tail past sum(group_sizes): it is stored as zeros.
+    `align` says where a segment's tiles start: 'group' at its own first row (cdiv(size, tile) tiles; only
+    the last can hold rows of the next segment), 'grid' on one grid of tiles over all rows (a tile straddling
+    a boundary is one slot per segment). A tile that would run past row m starts at m - tile instead (its
+    segment's rows then start at lo > 0), so every tile reads rows inside [0, m); m >= tile is the caller's
+    to ensure (the launcher pads shorter inputs). S = cdiv(m, tile) + G + 1 bounds the slot count (each
+    segment adds at most one partial tile); the kernel loops over the valid slots only, so spare ones cost
+    nothing and do not unbalance the SMs.
     `method` only says how the same table is computed: 'scan' (jnp.cumsum + jnp.searchsorted, whose default
     method is a while loop of log2(G + 2) steps), 'fused' (the prefix sums and the slot -> segment search as
     masked sums over [G, G] and [S, G + 1] squares: elementwise + reduce, which XLA fuses into a few kernels)."""
+    if align not in ROW_TILE_ALIGNMENTS:
+        raise ValueError(f"row tile alignment must be one of {ROW_TILE_ALIGNMENTS}, got {align!r}")
     num_groups = group_sizes_G.shape[0]
     fused = _table_method(method) == "fused"
     starts, ends = (_fused_group_bounds if fused else group_bounds)(group_sizes_G, m)
     starts = jnp.concatenate([starts, ends[-1:]])
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
-    first = starts // tile
-    n_tiles = jnp.where(ends > starts, (ends - 1) // tile - first + 1, 0)
+    if align == "group":
+        origin = starts                                   # tile i of a segment starts at origin + i * tile
+        n_tiles = pl.cdiv(ends - starts, tile)
+    else:
+        origin = (starts // tile) * tile
+        n_tiles = jnp.where(ends > starts, (ends - 1) // tile - starts // tile + 1, 0)
     inclusive = prefix_sum(n_tiles) if fused else jnp.cumsum(n_tiles)
-    slot = jnp.arange(pl.cdiv(m, tile) + num_groups, dtype=jnp.int32)
+    slot = jnp.arange(pl.cdiv(m, tile) + num_groups + 1, dtype=jnp.int32)
     if fused:   # searchsorted(side='right'): how many inclusive ends are <= slot
         seg = jnp.sum(inclusive[None, :] <= slot[:, None], axis=1, dtype=jnp.int32)
     else:
         seg = jnp.searchsorted(inclusive, slot, side="right").astype(jnp.int32)
     valid = seg <= num_groups
     seg = jnp.minimum(seg, num_groups)
-    block = first[seg] + slot - (inclusive[seg] - n_tiles[seg])
-    lo = jnp.maximum(starts[seg], block * tile) - block * tile
-    hi = jnp.minimum(ends[seg], block * tile + tile) - block * tile
-    count = jnp.where(valid, hi - lo, 0)
-    table = jnp.stack([seg, jnp.where(valid, block, 0), lo, count]).astype(jnp.int32)
+    tile_start = origin[seg] + (slot - (inclusive[seg] - n_tiles[seg])) * tile
+    row0 = jnp.minimum(tile_start, max(m - tile, 0))      # a tile past row m slides back inside
+    lo = jnp.maximum(starts[seg], tile_start) - row0
+    count = jnp.where(valid, jnp.minimum(ends[seg], tile_start + tile) - jnp.maximum(starts[seg], tile_start), 0)
+    table = jnp.stack([seg, jnp.where(valid, row0, 0), jnp.where(valid, lo, 0), count]).astype(jnp.int32)
     # Valid slots come first, the tail's last: [compute slots, tail slots] (no tail slots when with_tail is off).
     counts = jnp.stack([inclusive[-2], inclusive[-1] - inclusive[-2] if with_tail else jnp.int32(0)])
     return table, counts.astype(jnp.int32)

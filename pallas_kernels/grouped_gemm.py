@@ -6,8 +6,9 @@ size past M is cut at M exactly as ragged_dot cuts it (those rows do not exist).
 
 Two kernel bodies (three launches), one persistent warp-specialised design (1 TMA warpgroup, 2 wgmma):
   * `_ragged_kernel`      forward and input gradient: work items are (row tile of one group, column tile);
-                          a row tile straddling a group boundary is computed once per group and each pass
-                          stores only its own rows (TMA stores of 2^i rows, a binary ladder).
+                          a group's tiles start at its first row (`row_tiles='group'`; or on one grid over
+                          all rows, a straddling tile computed once per group), and each item stores only
+                          its group's rows (TMA stores of 2^i rows, a binary ladder).
   * `_weight_grad_kernel` `dw[g] = x_gᵀ · dy_g`: work items are (group, K tile, N tile); the reduction runs
                           over the group's token blocks, rows of neighbouring groups masked in SMEM.
 Public entry points, each validated and each with a plain-jnp `*_reference` twin (grouped_gemm_reference.py):
@@ -59,7 +60,6 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
     k_iters = k // cfg.tile_k
     in_tf = swizzle_transforms(cfg.tile_k, x_gmem.dtype)
     w_block = (cfg.cta_n, cfg.tile_k) if transpose_w else (cfg.tile_k, cfg.cta_n)
-    slot_ref = [jnp.int32(0)]  # set per work item; the index map reads it when the pipeline is traced
     chain = cfg.chain_items and k_iters % cfg.max_concurrent_steps == 0
 
     def pipeline(body, context, state=None):
@@ -68,14 +68,14 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
             num_compute_wgs=NUM_COMPUTE_WGS, max_concurrent_steps=cfg.max_concurrent_steps,
             compute_context=context, pipeline_state=state,
             in_specs=[
-                plgpu.BlockSpec((cfg.cta_m, cfg.tile_k), lambda kk: (slot_ref[0], kk), transforms=in_tf),
+                plgpu.BlockSpec((cfg.cta_m, cfg.tile_k), lambda kk: (0, kk), transforms=in_tf),
                 plgpu.BlockSpec(w_block, (lambda kk: (0, kk)) if transpose_w else (lambda kk: (kk, 0)),
                                 transforms=in_tf),
             ])
 
     ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
     w_shape_ref = w_gmem.at[0, :cfg.cta_n, :] if transpose_w else w_gmem.at[0, :, :cfg.cta_n]
-    allocs = pipeline(ignore, ignore).get_allocations(x_gmem, w_shape_ref)
+    allocs = pipeline(ignore, ignore).get_allocations(x_gmem.at[:cfg.cta_m], w_shape_ref)
 
     @functools.partial(pl.run_scoped, allocs=allocs, collective_axes="wg",
                        out_smem=epilogue_smem(cfg, out_gmem.dtype))
@@ -86,10 +86,10 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
 
         def store(acc, slot, ni):
             """This warpgroup's part of work item (slot, ni): acc (fp32) or zeros (acc None)."""
-            _, block, lo, count = (table_ref[i, slot] for i in range(4))
+            _, row0, lo, count = (table_ref[i, slot] for i in range(4))
             wlo = jnp.clip(lo - wg_row0, 0, cfg.tile_m)
             whi = jnp.clip(lo + count - wg_row0, 0, cfg.tile_m)
-            store_rows(acc, out_smem.at[wg], out_gmem, block * cfg.cta_m + wg_row0,
+            store_rows(acc, out_smem.at[wg], out_gmem, row0 + wg_row0,
                        ni * cfg.cta_n + wg_col0, cfg, rows=(wlo, whi - wlo))
 
         def mma(_, x_smem, w_smem, acc_ref):
@@ -102,7 +102,7 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
         def _compute_items(info):
             slot, ni = plgpu.planar_snake(info.index[0], (num_compute, n_iters), cfg.grid_minor,
                                           cfg.grid_tile_width)
-            seg, block = table_ref[0, slot], table_ref[1, slot]
+            seg, row0 = table_ref[0, slot], table_ref[1, slot]
 
             def context(eval_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
@@ -110,20 +110,20 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
                     eval_pipeline(acc_ref)
                     store(acc_ref[...], slot, ni)
 
-            slot_ref[0] = block
+            x_tile = x_gmem.at[pl.ds(row0, cfg.cta_m)]   # the table keeps every tile inside [0, M)
             w_cols = pl.ds(ni * cfg.cta_n, cfg.cta_n)
             w_tile = w_gmem.at[seg].at[w_cols, :] if transpose_w else w_gmem.at[seg].at[:, w_cols]
             if not chain:
-                pipeline(mma, context)(x_gmem, w_tile, allocations=allocs)
+                pipeline(mma, context)(x_tile, w_tile, allocations=allocs)
                 return
             first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
             state = jnp.where(first, int(plgpu.PipelinePipeline.START),
                               jnp.where(last, int(plgpu.PipelinePipeline.STOP),
                                         int(plgpu.PipelinePipeline.STEADY)))
             # one item on this SM: a plain pipeline (it both fills and drains)
-            pl.when(first & last)(lambda: pipeline(mma, context)(x_gmem, w_tile, allocations=allocs))
+            pl.when(first & last)(lambda: pipeline(mma, context)(x_tile, w_tile, allocations=allocs))
             pl.when(jnp.logical_not(first & last))(
-                lambda: pipeline(mma, context, state)(x_gmem, w_tile, allocations=allocs))
+                lambda: pipeline(mma, context, state)(x_tile, w_tile, allocations=allocs))
 
         # The zero tail (rows past sum(group_sizes)) is stored straight from zeros: no loads, no MMA, so an
         # expert-parallel receive buffer's unused rows cost one write.
@@ -225,11 +225,15 @@ def ragged_launch(x, w, table, num_valid, out_dtype, cfg, transpose_w, num_sms, 
 
 
 def _ragged_matmul(x, w, group_sizes, out_dtype, cfg, transpose_w, num_sms, interpret, zero_tail="kernel",
-                   tables="scan"):
+                   tables="scan", row_tiles="group"):
     m, k = x.shape
     cfg = fit_ragged_tiling(cfg, k, out_dtype)
-    table, num_valid = row_tile_table(group_sizes, m, cfg.cta_m, with_tail=zero_tail == "kernel", method=tables)
-    out = ragged_launch(x, w, table, num_valid, out_dtype, cfg, transpose_w, num_sms, interpret)
+    table, num_valid = row_tile_table(group_sizes, m, cfg.cta_m, with_tail=zero_tail == "kernel", method=tables,
+                                      align=row_tiles)
+    # Every tile reads cta_m rows inside the input (row_tile_table slides the last ones back), so fewer rows
+    # than one tile are padded up to it; the pad rows are outside every group and are cut off again.
+    x_in = jnp.pad(x, ((0, cfg.cta_m - m), (0, 0))) if m < cfg.cta_m else x
+    out = ragged_launch(x_in, w, table, num_valid, out_dtype, cfg, transpose_w, num_sms, interpret)[:m]
     if zero_tail == "kernel":
         return out
     rows_M1 = jnp.arange(m, dtype=jnp.int32)[:, None]   # rows the kernel did not write hold garbage
@@ -339,7 +343,8 @@ def grouped_gemm_dgrad(dy_MN, w_GKN, group_sizes_G, *, preferred_element_type=No
     if dy_MN.shape[0] == 0:
         return vary_like(jnp.zeros((0, w_GKN.shape[1]), out_dtype), dy_MN, w_GKN, group_sizes_G)
     dx = _ragged_matmul(dy_MN, w_GKN, group_sizes_G.astype(jnp.int32), out_dtype, tuning.dgrad, True,
-                        _num_sms(tuning, interpret), bool(interpret), tuning.zero_tail, tuning.tables)
+                        _num_sms(tuning, interpret), bool(interpret), tuning.zero_tail, tuning.tables,
+                        tuning.row_tiles)
     return vary_like(dx, dy_MN, w_GKN, group_sizes_G)
 
 
@@ -367,7 +372,7 @@ def grouped_gemm_wgrad(x_MK, dy_MN, group_sizes_G, *, preferred_element_type=Non
 def _grouped_gemm(x, w, group_sizes, out_dtype, interpret, tuning):
     sms = _num_sms(tuning, interpret)
     y = _ragged_matmul(x, w, group_sizes, out_dtype, tuning.fwd, False, sms, interpret, tuning.zero_tail,
-                       tuning.tables)
+                       tuning.tables, tuning.row_tiles)
     return vary_like(y, x, w, group_sizes)
 
 

@@ -72,6 +72,8 @@ INTERPRET_CASES = {
     "ragged_with_tail": (200, [50, 0, 7, 100, 0, 23]),
     # skewed: every token in one group, the others empty
     "all_in_one_group": (136, [0, 136, 0]),
+    # fewer rows than one row tile (the launcher pads them up to a tile), a group cut at M
+    "fewer_rows_than_a_tile": (40, [10, 0, 25, 9]),
 }
 
 
@@ -95,6 +97,8 @@ VARIANT_TUNINGS = {
         fwd=GemmTiling(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2, wg_split="n"),
         dgrad=GemmTiling(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2, wg_split="m"),
         wgrad=SMALL_TUNING.wgrad, num_sms=3),
+    # row tiles on one grid over all rows (a tile straddling a boundary computed once per group)
+    "grid_row_tiles": dataclasses.replace(SMALL_TUNING, row_tiles="grid"),
     # chained K pipelines across an SM's work items (START / STEADY / STOP), with and without a tail
     "chain_items": GroupedGemmTuning(
         fwd=dataclasses.replace(SMALL_TUNING.fwd, chain_items=True),

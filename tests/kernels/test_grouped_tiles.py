@@ -24,12 +24,13 @@ def _random_sizes(rng, batch, g, m):
     return jnp.asarray(np.concatenate(kinds), jnp.int32)
 
 
+@pytest.mark.parametrize("align", ["group", "grid"])
 @pytest.mark.parametrize("g, m, tile", [(1, 100, 64), (7, 300, 64), (16, 1000, 128), (33, 257, 256)])
-def test_fused_tables_equal_the_scan_tables(g, m, tile):
+def test_fused_tables_equal_the_scan_tables(g, m, tile, align):
     sizes_BG = _random_sizes(np.random.default_rng(g * m + tile), 64, g, m)
     for tail in (True, False):
-        fused = jax.jit(jax.vmap(lambda s, t=tail: row_tile_table(s, m, tile, t, method="fused")))(sizes_BG)
-        scan = jax.jit(jax.vmap(lambda s, t=tail: row_tile_table(s, m, tile, t, method="scan")))(sizes_BG)
+        fused, scan = (jax.jit(jax.vmap(lambda s, t=tail, mt=mt: row_tile_table(s, m, tile, t, mt, align)))(sizes_BG)
+                       for mt in ("fused", "scan"))
         for a, b in zip(fused, scan):
             np.testing.assert_array_equal(a, b)
     tok = [jax.jit(jax.vmap(lambda s, mt=mt: token_block_table(s, m, tile, method=mt)))(sizes_BG)
@@ -46,6 +47,39 @@ def test_fused_tables_on_the_qwen3_shape():
         for a, b in zip(fused, scan):
             np.testing.assert_array_equal(a, b)
         assert int(fused[1][0]) == int(sizes.sum()) // 128 and int(fused[1][1]) == (m - int(sizes.sum())) // 128
+
+
+def _covered_rows(table, counts, m, tile):
+    """Checks each valid slot's tile lies inside [0, max(m, tile)) and returns {segment: rows it stores}."""
+    table, counts = np.asarray(table), np.asarray(counts)
+    rows = {}
+    for slot in range(int(counts[0] + counts[1])):
+        seg, row0, lo, count = table[:, slot]
+        assert 0 <= row0 and row0 + tile <= max(m, tile) and 0 <= lo and lo + count <= tile and count > 0
+        rows.setdefault(int(seg), []).extend(range(row0 + lo, row0 + lo + count))
+    return rows
+
+
+@pytest.mark.parametrize("align", ["group", "grid"])
+def test_row_tiles_cover_each_group_once_inside_the_rows(align):
+    """Against a numpy reading of the contract: the valid slots store every row of every segment exactly once
+    (the tail as segment G), each tile reads rows inside [0, M) (tiles past the end slide back), and a
+    group-aligned table spends cdiv(size, tile) tiles per segment, a grid-aligned one a tile per grid cell
+    a segment touches."""
+    rng = np.random.default_rng(5)
+    for m, tile, g in [(300, 64, 7), (1000, 128, 16), (40, 64, 3), (257, 256, 33)]:
+        for sizes in _random_sizes(rng, 16, g, m):
+            table, counts = row_tile_table(jnp.asarray(sizes), m, tile, True, "fused", align)
+            ends = np.minimum(np.cumsum(np.maximum(sizes, 0)), m)   # cut at m; a negative size counts as 0
+            starts = np.concatenate([[0], ends[:-1]])
+            bounds = list(zip(starts, ends)) + [(ends[-1], m)]
+            rows = _covered_rows(table, counts, m, tile)
+            want_tiles = 0
+            for seg, (lo, hi) in enumerate(bounds):
+                assert sorted(rows.get(seg, [])) == list(range(lo, hi)), (sizes, seg)
+                if hi > lo:
+                    want_tiles += -(-(hi - lo) // tile) if align == "group" else (hi - 1) // tile - lo // tile + 1
+            assert int(counts[0] + counts[1]) == want_tiles
 
 
 def test_prefix_sum_is_cumsum():
@@ -73,11 +107,12 @@ def test_interpret_kernels_on_fused_tables_match_reference():
     assert np.all(np.asarray(got[2])[1] == 0.0)
 
 
-def test_bad_tables_method_raises():
+@pytest.mark.parametrize("bad, match", [(dict(tables="while"), "tuning.tables"),
+                                        (dict(row_tiles="rows"), "tuning.row_tiles")])
+def test_bad_table_enums_raise(bad, match):
     x, w = jnp.zeros((64, 256), jnp.bfloat16), jnp.zeros((2, 256, 256), jnp.bfloat16)
-    with pytest.raises(ValueError, match="tuning.tables"):
-        grouped_gemm(x, w, jnp.zeros((2,), jnp.int32), interpret=True,
-                     tuning=GroupedGemmTuning(tables="while"))
+    with pytest.raises(ValueError, match=match):
+        grouped_gemm(x, w, jnp.zeros((2,), jnp.int32), interpret=True, tuning=GroupedGemmTuning(**bad))
 
 
 @pytest.mark.gpu
