@@ -267,6 +267,9 @@ def _table_method(method: str) -> str:
 
 
 ROW_TILE_ALIGNMENTS = ("group", "grid")
+# A tile's first row is a multiple of this: the swizzled SMEM tiles are 8 rows tall, and Mosaic GPU slices the
+# input only at whole SMEM tiles (an unaligned dynamic row offset fails its layout inference).
+ROW_ALIGN = 8
 
 
 def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True, method: str = "fused",
@@ -274,29 +277,29 @@ def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True, met
     """int32 [4, S]: for each (segment, row tile) work slot its segment, the tile's first row, the first row
     of the segment inside the tile and the segment's row count in it; and int32 [2], the numbers of compute
     slots and of zero-tail slots after them. Segment G is the tail past sum(group_sizes): it is stored as zeros.
-    `align` says where a segment's tiles start: 'group' at its own first row (cdiv(size, tile) tiles; only
-    the last can hold rows of the next segment), 'grid' on one grid of tiles over all rows (a tile straddling
-    a boundary is one slot per segment). A tile that would run past row m starts at m - tile instead (its
-    segment's rows then start at lo > 0), so every tile reads rows inside [0, m); m >= tile is the caller's
-    to ensure (the launcher pads shorter inputs). S = cdiv(m, tile) + G + 1 bounds the slot count (each
-    segment adds at most one partial tile); the kernel loops over the valid slots only, so spare ones cost
-    nothing and do not unbalance the SMs.
+    `align` says where a segment's tiles start: 'group' at its own first row rounded down to a multiple of
+    ROW_ALIGN (cdiv(size + that remainder, tile) tiles; only the first and last can hold rows of the
+    neighbours), 'grid' on one grid of tiles over all rows (a tile straddling a boundary is one slot per
+    segment). Every tile starts at a multiple of ROW_ALIGN, and one that would run past row m starts at the
+    last such row that keeps it inside (its segment's rows then start at lo > 0): so m must be a multiple of
+    ROW_ALIGN and >= tile (the launcher pads its input to that). S = cdiv(m, tile) + G + 1 bounds the slot count
+    (each segment adds at most one partial tile); the kernel loops over the valid slots only, so spare ones
+    cost nothing and do not unbalance the SMs.
     `method` only says how the same table is computed: 'scan' (jnp.cumsum + jnp.searchsorted, whose default
     method is a while loop of log2(G + 2) steps), 'fused' (the prefix sums and the slot -> segment search as
     masked sums over [G, G] and [S, G + 1] squares: elementwise + reduce, which XLA fuses into a few kernels)."""
     if align not in ROW_TILE_ALIGNMENTS:
         raise ValueError(f"row tile alignment must be one of {ROW_TILE_ALIGNMENTS}, got {align!r}")
+    if m % ROW_ALIGN or m < tile or tile % ROW_ALIGN:
+        raise ValueError(f"row_tile_table needs rows m={m} and tile={tile} to be multiples of {ROW_ALIGN} with "
+                         "m >= tile; pad the rows (the grouped GEMM launcher does)")
     num_groups = group_sizes_G.shape[0]
     fused = _table_method(method) == "fused"
     starts, ends = (_fused_group_bounds if fused else group_bounds)(group_sizes_G, m)
     starts = jnp.concatenate([starts, ends[-1:]])
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
-    if align == "group":
-        origin = starts                                   # tile i of a segment starts at origin + i * tile
-        n_tiles = pl.cdiv(ends - starts, tile)
-    else:
-        origin = (starts // tile) * tile
-        n_tiles = jnp.where(ends > starts, (ends - 1) // tile - starts // tile + 1, 0)
+    origin = (starts // (ROW_ALIGN if align == "group" else tile)) * (ROW_ALIGN if align == "group" else tile)
+    n_tiles = jnp.where(ends > starts, pl.cdiv(ends - origin, tile), 0)   # tile i starts at origin + i * tile
     inclusive = prefix_sum(n_tiles) if fused else jnp.cumsum(n_tiles)
     slot = jnp.arange(pl.cdiv(m, tile) + num_groups + 1, dtype=jnp.int32)
     if fused:   # searchsorted(side='right'): how many inclusive ends are <= slot
@@ -306,7 +309,7 @@ def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True, met
     valid = seg <= num_groups
     seg = jnp.minimum(seg, num_groups)
     tile_start = origin[seg] + (slot - (inclusive[seg] - n_tiles[seg])) * tile
-    row0 = jnp.minimum(tile_start, max(m - tile, 0))      # a tile past row m slides back inside
+    row0 = jnp.minimum(tile_start, m - tile)      # a tile past row m slides back inside (m - tile is aligned)
     lo = jnp.maximum(starts[seg], tile_start) - row0
     count = jnp.where(valid, jnp.minimum(ends[seg], tile_start + tile) - jnp.maximum(starts[seg], tile_start), 0)
     table = jnp.stack([seg, jnp.where(valid, row0, 0), jnp.where(valid, lo, 0), count]).astype(jnp.int32)

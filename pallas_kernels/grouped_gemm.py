@@ -28,8 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedGemmTuning, check_dtypes,
-                                           check_group_sizes, check_tiling, check_tuning_enums,
+from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, ROW_ALIGN, GemmTiling, GroupedGemmTuning,
+                                           check_dtypes, check_group_sizes, check_tiling, check_tuning_enums,
                                            default_kernel_tuning, default_tuning, epilogue_smem, fit_ragged_tiling,
                                            fit_smem, mask_token_rows, row_tile_table, sm_count, store_rows,
                                            swizzle_transforms, token_block_table, warpgroup_tile)
@@ -102,7 +102,7 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
         def _compute_items(info):
             slot, ni = plgpu.planar_snake(info.index[0], (num_compute, n_iters), cfg.grid_minor,
                                           cfg.grid_tile_width)
-            seg, row0 = table_ref[0, slot], table_ref[1, slot]
+            seg, row0 = table_ref[0, slot], pl.multiple_of(table_ref[1, slot], ROW_ALIGN)
 
             def context(eval_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
@@ -228,11 +228,13 @@ def _ragged_matmul(x, w, group_sizes, out_dtype, cfg, transpose_w, num_sms, inte
                    tables="scan", row_tiles="group"):
     m, k = x.shape
     cfg = fit_ragged_tiling(cfg, k, out_dtype)
-    table, num_valid = row_tile_table(group_sizes, m, cfg.cta_m, with_tail=zero_tail == "kernel", method=tables,
-                                      align=row_tiles)
-    # Every tile reads cta_m rows inside the input (row_tile_table slides the last ones back), so fewer rows
-    # than one tile are padded up to it; the pad rows are outside every group and are cut off again.
-    x_in = jnp.pad(x, ((0, cfg.cta_m - m), (0, 0))) if m < cfg.cta_m else x
+    # Every tile reads cta_m rows inside the input from a multiple of ROW_ALIGN (row_tile_table slides the last
+    # ones back), so rows are padded up to that multiple and to one tile: a copy of x, only for such row counts
+    # (the model's are multiples of 8). The pad rows' outputs are cut off again, whatever group they fall in.
+    m_run = max(-(-m // ROW_ALIGN) * ROW_ALIGN, cfg.cta_m)
+    x_in = jnp.pad(x, ((0, m_run - m), (0, 0))) if m_run > m else x
+    table, num_valid = row_tile_table(group_sizes, m_run, cfg.cta_m, with_tail=zero_tail == "kernel",
+                                      method=tables, align=row_tiles)
     out = ragged_launch(x_in, w, table, num_valid, out_dtype, cfg, transpose_w, num_sms, interpret)[:m]
     if zero_tail == "kernel":
         return out

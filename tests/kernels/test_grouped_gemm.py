@@ -72,8 +72,9 @@ INTERPRET_CASES = {
     "ragged_with_tail": (200, [50, 0, 7, 100, 0, 23]),
     # skewed: every token in one group, the others empty
     "all_in_one_group": (136, [0, 136, 0]),
-    # fewer rows than one row tile (the launcher pads them up to a tile), a group cut at M
+    # fewer rows than one row tile, and rows not a multiple of 8: the launcher pads them (a group cut at M)
     "fewer_rows_than_a_tile": (40, [10, 0, 25, 9]),
+    "rows_not_a_multiple_of_8": (203, [50, 0, 7, 100, 60]),
 }
 
 

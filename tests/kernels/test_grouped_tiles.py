@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels._grouped_tiles import prefix_sum, row_tile_table, token_block_table
+from pallas_kernels._grouped_tiles import ROW_ALIGN, prefix_sum, row_tile_table, token_block_table
 from pallas_kernels.grouped_gemm import (GemmTiling, GroupedGemmTuning, grouped_gemm, grouped_gemm_dgrad,
                                          grouped_gemm_dgrad_reference, grouped_gemm_reference, grouped_gemm_wgrad,
                                          grouped_gemm_wgrad_reference)
@@ -25,7 +25,7 @@ def _random_sizes(rng, batch, g, m):
 
 
 @pytest.mark.parametrize("align", ["group", "grid"])
-@pytest.mark.parametrize("g, m, tile", [(1, 100, 64), (7, 300, 64), (16, 1000, 128), (33, 257, 256)])
+@pytest.mark.parametrize("g, m, tile", [(1, 104, 64), (7, 304, 64), (16, 1000, 128), (33, 264, 256)])
 def test_fused_tables_equal_the_scan_tables(g, m, tile, align):
     sizes_BG = _random_sizes(np.random.default_rng(g * m + tile), 64, g, m)
     for tail in (True, False):
@@ -50,12 +50,13 @@ def test_fused_tables_on_the_qwen3_shape():
 
 
 def _covered_rows(table, counts, m, tile):
-    """Checks each valid slot's tile lies inside [0, max(m, tile)) and returns {segment: rows it stores}."""
+    """Checks each valid slot's tile starts at a multiple of ROW_ALIGN inside [0, m - tile] and returns
+    {segment: the rows it stores}."""
     table, counts = np.asarray(table), np.asarray(counts)
     rows = {}
     for slot in range(int(counts[0] + counts[1])):
         seg, row0, lo, count = table[:, slot]
-        assert 0 <= row0 and row0 + tile <= max(m, tile) and 0 <= lo and lo + count <= tile and count > 0
+        assert row0 % ROW_ALIGN == 0 and 0 <= row0 <= m - tile and 0 <= lo and lo + count <= tile and count > 0
         rows.setdefault(int(seg), []).extend(range(row0 + lo, row0 + lo + count))
     return rows
 
@@ -63,23 +64,29 @@ def _covered_rows(table, counts, m, tile):
 @pytest.mark.parametrize("align", ["group", "grid"])
 def test_row_tiles_cover_each_group_once_inside_the_rows(align):
     """Against a numpy reading of the contract: the valid slots store every row of every segment exactly once
-    (the tail as segment G), each tile reads rows inside [0, M) (tiles past the end slide back), and a
-    group-aligned table spends cdiv(size, tile) tiles per segment, a grid-aligned one a tile per grid cell
-    a segment touches."""
+    (the tail as segment G), each tile reads rows inside [0, M) from a multiple of ROW_ALIGN (tiles past the
+    end slide back), and a group-aligned table spends cdiv(size + start % ROW_ALIGN, tile) tiles per segment,
+    a grid-aligned one a tile per grid cell the segment touches."""
     rng = np.random.default_rng(5)
-    for m, tile, g in [(300, 64, 7), (1000, 128, 16), (40, 64, 3), (257, 256, 33)]:
+    for m, tile, g in [(304, 64, 7), (1000, 128, 16), (64, 64, 3), (264, 256, 33)]:
         for sizes in _random_sizes(rng, 16, g, m):
             table, counts = row_tile_table(jnp.asarray(sizes), m, tile, True, "fused", align)
             ends = np.minimum(np.cumsum(np.maximum(sizes, 0)), m)   # cut at m; a negative size counts as 0
             starts = np.concatenate([[0], ends[:-1]])
-            bounds = list(zip(starts, ends)) + [(ends[-1], m)]
             rows = _covered_rows(table, counts, m, tile)
             want_tiles = 0
-            for seg, (lo, hi) in enumerate(bounds):
+            for seg, (lo, hi) in enumerate(list(zip(starts, ends)) + [(ends[-1], m)]):
                 assert sorted(rows.get(seg, [])) == list(range(lo, hi)), (sizes, seg)
                 if hi > lo:
-                    want_tiles += -(-(hi - lo) // tile) if align == "group" else (hi - 1) // tile - lo // tile + 1
+                    first = lo - lo % ROW_ALIGN if align == "group" else lo - lo % tile
+                    want_tiles += -(-(hi - first) // tile)
             assert int(counts[0] + counts[1]) == want_tiles
+
+
+@pytest.mark.parametrize("m, tile", [(100, 64), (32, 64)])
+def test_row_tile_table_rejects_rows_it_cannot_tile(m, tile):
+    with pytest.raises(ValueError, match="multiples of 8 with m >= tile"):
+        row_tile_table(jnp.asarray([m], jnp.int32), m, tile)
 
 
 def test_prefix_sum_is_cumsum():
