@@ -1,6 +1,7 @@
 """torch._grouped_mm for bench_grouped_gemm.py: the script a torch subprocess runs (torch never enters the JAX
 process, and runs before JAX takes the GPU) and its launcher, which keeps whatever cases finished before a
-crash or a timeout."""
+crash or a timeout. It also times torch's dense GEMM of the same FLOPs: set against the JAX process's dense
+GEMM of the same problem (both cuBLAS), it says whether the two processes ran the GPU at the same pace."""
 import json
 import subprocess
 import sys
@@ -23,7 +24,7 @@ def seconds(fn):
         b.record(); torch.cuda.synchronize(); times.append(a.elapsed_time(b) / 10 / 1e3)
     return sorted(times)[2]
 
-data = {}
+data, dense_done = {}, {}
 for c in cases:
     m, k, n, g, sizes = c["M"], c["K"], c["N"], c["G"], c["group_sizes"]
     res, err = {}, None
@@ -40,9 +41,22 @@ for c in cases:
         def fb():   # autograd.grad: dx and dw as outputs, no accumulation into .grad (no extra add kernels)
             y = torch._grouped_mm(x, w, offs=offs); return torch.autograd.grad(y, (x, w), dy)
         useful = min(sum(sizes), m)   # useful FLOPs only, as on the JAX side
-        for label, fn, mult in (("fwd", fwd, 1), ("fwd+bwd", fb, 3)):
-            v = mult * 2 * useful * k * n / seconds(fn) / 1e12
-            res[label] = round(v, 1) if v >= 10 else float(f"{v:.3g}")
+        # the same-FLOP dense GEMM in this process (a clock check): [useful, K] @ [K, N], dx and dw by autograd
+        xd, wd = x[:useful].detach().requires_grad_(), w[0].detach().requires_grad_()
+        def dense(): return xd @ wd
+        def dense_fb(): y = xd @ wd; return torch.autograd.grad(y, (xd, wd), dy[:useful])
+        def time_all(timed):
+            for label, fn, mult in timed:
+                v = mult * 2 * useful * k * n / seconds(fn) / 1e12
+                res[label] = round(v, 1) if v >= 10 else float(f"{v:.3g}")
+        time_all([("fwd", fwd, 1), ("fwd+bwd", fb, 3)])
+        if (useful, k, n) not in dense_done:   # once per distinct dense problem, as on the JAX side
+            try:   # a failure here must not lose the grouped numbers above
+                time_all([("dense/fwd", dense, 1), ("dense/fwd+bwd", dense_fb, 3)])
+            except Exception as e:
+                err = f"dense: {type(e).__name__}: {str(e)[:300]}"
+            dense_done[(useful, k, n)] = {l: res[l] for l in res if l.startswith("dense/")}
+        res.update(dense_done[(useful, k, n)])
     except Exception as e:
         err = f"{type(e).__name__}: {str(e)[:300]}"
     print("JSONROW" + json.dumps(dict(shape=c["shape"], routing=c["routing"], tflops=res, error=err)), flush=True)
@@ -84,7 +98,8 @@ def merge_torch(row, torch_res):
     r = torch_res.get((row["shape"], row["routing"]))
     if r is None:
         return
-    for label, v in r["tflops"].items():
-        row["tflops"][f"torch_grouped_mm/{label}"] = v
+    for label, v in r["tflops"].items():   # dense/...: torch's own same-FLOP dense GEMM (cuBLAS), same process
+        name = f"torch_dense_same_flops/{label[6:]}" if label.startswith("dense/") else f"torch_grouped_mm/{label}"
+        row["tflops"][name] = v
     if r.get("error"):
         row["errors"]["torch_grouped_mm"] = r["error"]

@@ -13,7 +13,7 @@ of copying them, and `grouped_gemm.py` keeps the kernel bodies, launch, validati
                   `token_block_table` (weight gradient): plain jnp computed on device before a launch, read
                   by the persistent loop.
   * Tile helpers inside kernel bodies: `swizzle_transforms`, `warpgroup_tile` (a warpgroup's part of the
-                  CTA tile) and `warpgroup_mma` (its plain K-step body), `epilogue_smem` + `store_rows` (the
+                  CTA tile) and `warpgroup_mma` (its plain K-step body), `epilogue_smem` + `store_rows` / `stage_zeros` (the
                   ragged-row TMA epilogue, also storing zero tiles without any loads), `mask_token_rows`.
 The module is private (underscore); its names are not, because sibling kernels import them.
 """
@@ -341,25 +341,28 @@ def epilogue_smem(cfg: GemmTiling, dtype):
     return plgpu.SMEM((NUM_COMPUTE_WGS, cfg.epi_slots, cfg.tile_m, cfg.epi_tile_n), dtype)
 
 
-def store_rows(acc, out_smem, out_gmem, row0, col0, cfg: GemmTiling, rows=None):
+def store_rows(acc, out_smem, out_gmem, row0, col0, cfg: GemmTiling, rows=None, zeros_staged=False):
     """Stores this warpgroup's accumulator (an fp32 array, or None for zeros) at out_gmem[row0:, col0:];
     `rows=(lo, count)` keeps only rows [lo, lo+count). out_smem: this warpgroup's [epi_slots, tile_m,
     epi_tile_n] staging. TMA boxes are static, so a ragged count is written as a sum of powers of two, one
     store per set bit, committed as one bulk group per chunk (rows=None: one store per chunk).
-    With two slots a chunk waits only for the store two chunks back, which read the slot it overwrites."""
+    With two slots a chunk waits only for the store two chunks back, which read the slot it overwrites.
+    `zeros_staged` (acc None): every staging slot already holds zeros (`stage_zeros`), so the stores read it
+    as it is, with no wait and no SMEM write: a run of zero tiles streams out back to back."""
     slots, wg_rows = out_smem.shape[0], out_smem.shape[1]
     chunks = cfg.tile_n // cfg.epi_tile_n
     for ni in range(chunks):
         slot = ni % slots
-        # In flight may stay: the previous chunk's group when it used the other slot (never across work items
-        # when the chunk count is odd: the next item's chunk 0 reuses the slot of this item's last chunk).
-        pending = 1 if slots == 2 and (ni > 0 or chunks % 2 == 0) else 0
-        plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
-        if acc is None:
-            out_smem[slot] = jnp.zeros(out_smem.shape[1:], out_smem.dtype)
-        else:
-            out_smem[slot] = acc[:, ni * cfg.epi_tile_n:(ni + 1) * cfg.epi_tile_n].astype(out_smem.dtype)
-        plgpu.commit_smem()
+        if not zeros_staged:
+            # In flight may stay: the previous chunk's group when it used the other slot (never across work items
+            # when the chunk count is odd: the next item's chunk 0 reuses the slot of this item's last chunk).
+            pending = 1 if slots == 2 and (ni > 0 or chunks % 2 == 0) else 0
+            plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
+            if acc is None:
+                out_smem[slot] = jnp.zeros(out_smem.shape[1:], out_smem.dtype)
+            else:
+                out_smem[slot] = acc[:, ni * cfg.epi_tile_n:(ni + 1) * cfg.epi_tile_n].astype(out_smem.dtype)
+            plgpu.commit_smem()
         cols = pl.ds(col0 + ni * cfg.epi_tile_n, cfg.epi_tile_n)
         src = out_smem.at[slot]
         if rows is None:
@@ -374,6 +377,15 @@ def store_rows(acc, out_smem, out_gmem, row0, col0, cfg: GemmTiling, rows=None):
             start = start + (count & bit)
             bit >>= 1
         plgpu.commit_smem_to_gmem_group()   # the chunk's stores are one bulk group for the waits above
+
+
+def stage_zeros(out_smem):
+    """Fills this warpgroup's staging slots with zeros once, after every store still reading them is done,
+    for `store_rows(None, ..., zeros_staged=True)`."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for slot in range(out_smem.shape[0]):
+        out_smem[slot] = jnp.zeros(out_smem.shape[1:], out_smem.dtype)
+    plgpu.commit_smem()
 
 
 class WarpgroupTile(NamedTuple):

@@ -31,8 +31,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, ROW_ALIGN, GemmTiling, GroupedGemmTuning,
                                            check_dtypes, check_group_sizes, check_tiling, check_tuning_enums,
                                            default_kernel_tuning, default_tuning, epilogue_smem, fit_ragged_tiling,
-                                           fit_smem, mask_token_rows, row_tile_table, sm_count, store_rows,
-                                           swizzle_transforms, token_block_table, warpgroup_tile)
+                                           fit_smem, mask_token_rows, row_tile_table, sm_count, stage_zeros,
+                                           store_rows, swizzle_transforms, token_block_table, warpgroup_tile)
 from pallas_kernels.grouped_gemm_reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
                                                    grouped_gemm_wgrad_reference)
 from pallas_kernels.varying import match_varying, vary_like
@@ -84,13 +84,13 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
         num_compute, num_tail = num_valid_ref[0], num_valid_ref[1]
         wg_m, wg_n, wg_row0, wg_col0 = warpgroup_tile(cfg, wg)
 
-        def store(acc, slot, ni):
+        def store(acc, slot, ni, zeros_staged=False):
             """This warpgroup's part of work item (slot, ni): acc (fp32) or zeros (acc None)."""
             _, row0, lo, count = (table_ref[i, slot] for i in range(4))
             wlo = jnp.clip(lo - wg_row0, 0, cfg.tile_m)
             whi = jnp.clip(lo + count - wg_row0, 0, cfg.tile_m)
             store_rows(acc, out_smem.at[wg], out_gmem, row0 + wg_row0,
-                       ni * cfg.cta_n + wg_col0, cfg, rows=(wlo, whi - wlo))
+                       ni * cfg.cta_n + wg_col0, cfg, rows=(wlo, whi - wlo), zeros_staged=zeros_staged)
 
         def mma(_, x_smem, w_smem, acc_ref):
             w_op = w_smem.at[wg_n, :].transpose((1, 0)) if transpose_w else w_smem.at[:, wg_n]
@@ -126,12 +126,15 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
                 lambda: pipeline(mma, context, state)(x_tile, w_tile, allocations=allocs))
 
         # The zero tail (rows past sum(group_sizes)) is stored straight from zeros: no loads, no MMA, so an
-        # expert-parallel receive buffer's unused rows cost one write.
+        # expert-parallel receive buffer's unused rows cost one write. The staging SMEM is zeroed once, after
+        # this SM's last compute item, and every tail store reads it with no wait between them.
+        pl.when((wg < NUM_COMPUTE_WGS) & (num_tail > 0))(lambda: stage_zeros(out_smem.at[wg]))
+
         @plgpu.nd_loop((num_tail * n_iters,), collective_axes="sm")
         def _tail_items(info):
             @pl.when(wg < NUM_COMPUTE_WGS)
             def _():
-                store(None, num_compute + info.index[0] // n_iters, info.index[0] % n_iters)
+                store(None, num_compute + info.index[0] // n_iters, info.index[0] % n_iters, zeros_staged=True)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

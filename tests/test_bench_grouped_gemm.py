@@ -59,7 +59,7 @@ def test_ratios_verdicts_and_table():
     s = report.summary([row])
     assert s["ours>=torch_grouped_mm"]["failing"] == ["s/uniform"] and s["ours>=0.9x_dense_fwd"]["all_rows_pass"]
     table = report.markdown_table([row], {"device": "cpu"})
-    assert "| s | uniform | 8 | 8 | 8 | 1 | 8 | 500 | 400 | 540 | 1.25 | 0.93 |" in table
+    assert "| s | uniform | 8 | 8 | 8 | 1 | 8 | 500 | 400 | 540 | - | 1.25 | 0.93 |" in table   # no torch dense
     assert "ours>=torch_grouped_mm: FAIL; failing ['s/uniform']" in table
 
 
@@ -97,3 +97,15 @@ def test_profile_cuts_a_trace_into_calls():
     s = summarize(main, calls)
     assert (s["main_us"], s["pre_kernels_us"], s["gaps_us"], s["period_us"]) == (900.0, 5.0, 95.0, 1000.0)
     assert [p["us"] for p in s["pre"]] == [3.0, 2.0] and s["n_pre_kernels"] == [2]
+
+
+def test_torch_rows_merge_grouped_and_dense_labels():
+    """The torch subprocess's rows land under torch_grouped_mm/... and its same-FLOP dense GEMM under
+    torch_dense_same_flops/... (the clock check next to the JAX process's dense_same_flops)."""
+    from benchmarks.grouped_gemm_torch import merge_torch
+    row = dict(shape="s", routing="uniform", tflops={}, errors={})
+    merge_torch(row, {("s", "uniform"): dict(tflops={"fwd": 1.0, "fwd+bwd": 2.0, "dense/fwd": 3.0,
+                                                      "dense/fwd+bwd": 4.0}, error=None)})
+    assert row["tflops"] == {"torch_grouped_mm/fwd": 1.0, "torch_grouped_mm/fwd+bwd": 2.0,
+                             "torch_dense_same_flops/fwd": 3.0, "torch_dense_same_flops/fwd+bwd": 4.0}
+    assert row["errors"] == {}
