@@ -42,14 +42,15 @@ ISSUE10_ROWS = [
     ("mixtral_8x22b", 8, ("uniform",), TOKENS_PER_DEVICE),
     ("deepseekmoe_16b", 8, ("uniform",), TOKENS_PER_DEVICE),
 ]
-# Estimated run time of `--suite issue10 --torch` on one H200 (compile costs guessed, not measured; the
-# timed loops are ~0.15 s x 3 per timing): 20 cases over 9 shapes; 40 timings of ours (fwd, fwd+bwd) + 16 of
-# the dense GEMM (timed once per distinct (rows, K, N): 8 of them) + 40 of torch.
-#   JAX start ~10 s; torch subprocess (import, CUDA start, 20 cases x 2 x 53 calls) ~40 s;
-#   compiles: ours 9 shapes x (fwd ~2 s + fwd+bwd ~4 s) + dense 8 x (~1 + ~2 s) ~80 s;
-#   timed loops 56 x ~0.6 s ~35 s; data + sampled checks 9 shapes x ~2 s + 20 cases x ~0.5 s ~30 s.
-#   Total ~3-3.5 min (`--list` prints the same rough model), inside 6; --time-budget-s 330 starts no new
-#   timing after 330 s, so the JSON and the table are written even if compiles are much slower than guessed.
+# Estimated run time of `--suite issue10 --torch` on one H200 (compile costs guessed, not measured; every
+# timing is one untimed + 5 timed loops of >= 0.15 s): 20 cases over 9 shapes; 80 timings of ours and
+# ours_grid_tiles (fwd, fwd+bwd) + 16 of the dense GEMM (once per distinct (rows, K, N): 8 of them) + 40 of torch
+# (+ its 16 dense).
+#   JAX start ~10 s; torch subprocess (import, CUDA start, 56 timings x ~1 s) ~60 s;
+#   compiles: ours 2 x 9 shapes x (fwd ~2 s + fwd+bwd ~4 s) + dense 8 x (~1 + ~2 s) ~130 s;
+#   timed loops 96 x ~1 s; data + sampled checks 9 shapes x ~2 s + 20 cases x ~0.5 s ~30 s.
+#   Total ~5 min (`--list` prints the same rough model); --time-budget-s starts no new timing past its limit,
+#   so the JSON and the table are written even if compiles are much slower than guessed.
 SUITES = {"issue10": dict(impls=("ours", "ours_grid_tiles", "dense_same_flops")),
           "tiny": dict(impls=("ours", "dense_same_flops"))}
 # CPU smoke of the whole pipeline (interpret mode): tiny shapes, every routing, tile-aligned K and N
@@ -161,7 +162,8 @@ def print_cases(cases, args):
     for i, c in enumerate(cases):
         print(f"{i:3d} {c['shape']:20s} {c['routing']:10s} {c['M']:6d} {c['K']:5d} {c['N']:6d} {c['G']:4d} "
               f"{c['useful_rows']:6d} {2 * c['useful_rows'] * c['K'] * c['N'] / 1e9:10.1f}  {rle(c['group_sizes'])}")
-    grouped = [b for b in ("ours", "ours_mask_tail", "ours_scan_tables", "xla_ragged_dot") if wanted(f"{b}/fwd", args)]
+    grouped = [b for b in ("ours", "ours_grid_tiles", "ours_mask_tail", "ours_scan_tables", "xla_ragged_dot")
+               if wanted(f"{b}/fwd", args)]
     kinds = 2 if args.bwd else 1
     n_grouped = len(cases) * len(grouped) * kinds
     dense_keys = {(c["useful_rows"], c["K"], c["N"]) for c in cases} if wanted("dense_same_flops/fwd", args) else set()
@@ -171,6 +173,6 @@ def print_cases(cases, args):
           f" + {2 * len(cases) if args.torch else 0} torch")
     # rough model, compile costs guessed (not measured): see the estimate next to ISSUE10_ROWS
     est = (10 + (20 + 1.0 * len(cases) if args.torch else 0) + n_shapes * len(grouped) * (2 + 4 * (kinds - 1))
-           + len(dense_keys) * (1 + 2 * (kinds - 1)) + 0.6 * (n_grouped + len(dense_keys) * kinds)
+           + len(dense_keys) * (1 + 2 * (kinds - 1)) + 1.0 * (n_grouped + len(dense_keys) * kinds)
            + 2 * n_shapes + 0.5 * len(cases))
     print(f"rough GPU time estimate: {est / 60:.1f} min (guessed compile costs; real H200 run may differ)")

@@ -14,14 +14,19 @@ print("TORCHENV" + json.dumps(dict(torch=torch.__version__, torch_cuda=torch.ver
                                    torch_device=torch.cuda.get_device_name())), flush=True)
 
 def seconds(fn):
+    # as the JAX side times: loops of >= 0.15 s (at most 2000 calls), one untimed, then the median of 5
     for _ in range(3): fn()
     torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(); fn(); b.record(); torch.cuda.synchronize()
+    iters = max(2, min(2000, int(0.15 / max(a.elapsed_time(b) / 1e3, 1e-5))))
     times = []
-    for _ in range(5):
+    for i in range(6):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for _ in range(10): fn()
-        b.record(); torch.cuda.synchronize(); times.append(a.elapsed_time(b) / 10 / 1e3)
+        for _ in range(iters): fn()
+        b.record(); torch.cuda.synchronize()
+        if i: times.append(a.elapsed_time(b) / iters / 1e3)
     return sorted(times)[2]
 
 data, dense_done = {}, {}

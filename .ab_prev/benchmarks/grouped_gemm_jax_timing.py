@@ -1,0 +1,313 @@
+"""The JAX side of bench_grouped_gemm.py: the grouped implementations of one shape, the dense GEMM of the same
+FLOPs, tokamax and ragged_dot_mgpu, the forward tilings of --sweep, and how one case is timed (a loop of calls
+between two host syncs) and checked (an fp32 product on sampled rows, an exactly zero tail)."""
+import dataclasses
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.grouped_gemm_cases import wanted
+from benchmarks.grouped_gemm_report import save_json
+from benchmarks.grouped_gemm_torch import merge_torch
+from pallas_kernels.grouped_gemm import (GemmTiling, default_tuning, grouped_gemm, grouped_gemm_dgrad,
+                                         grouped_gemm_wgrad)
+
+# bench_grouped_gemm.main lowers these to one call per timing under --interpret (the interpreter is slow)
+TIMING = dict(min_total_s=0.15, loops=3, min_iters=2)
+
+
+def time_call(fn, *args, min_total_s=None, loops=None, min_iters=None):
+    min_total_s = TIMING["min_total_s"] if min_total_s is None else min_total_s
+    loops = TIMING["loops"] if loops is None else loops
+    min_iters = TIMING["min_iters"] if min_iters is None else min_iters
+    out = fn(*args)
+    jax.block_until_ready(out)  # compile and warm up
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    iters = max(min_iters, min(50, int(min_total_s / max(time.perf_counter() - t0, 1e-5))))
+    times = []
+    for _ in range(loops):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times), out
+
+
+class SampledCheck:
+    """fp32 reference of y = ragged_dot(x, w, sizes) on the first and last 64 rows of up to 4 non-empty
+    groups (spread over the groups), computed on the host once per case; rows past sum(sizes) must be 0."""
+
+    def __init__(self, x, w, sizes):
+        self.x, self.w, self.sizes, self.m = x, w, np.asarray(sizes, np.int64), x.shape[0]
+        self._ref = None
+
+    def _build(self):
+        starts = np.concatenate([[0], np.cumsum(self.sizes)])
+        nonempty = np.flatnonzero(self.sizes > 0)
+        pick = nonempty[np.unique(np.linspace(0, len(nonempty) - 1, min(4, len(nonempty))).round().astype(int))] \
+            if len(nonempty) else nonempty
+        groups, rows = [], []
+        for g in pick:
+            s, e = int(starts[g]), int(min(starts[g + 1], self.m))
+            r = np.unique(np.concatenate([np.arange(s, min(s + 64, e)), np.arange(max(e - 64, s), e)]))
+            groups.append(g)
+            rows.append(r)
+        self.rows = np.concatenate(rows).astype(np.int32) if rows else np.zeros((0,), np.int32)
+        xs = np.asarray(jnp.take(self.x, jnp.asarray(self.rows), axis=0)).astype(np.float32)
+        ws = np.asarray(jnp.take(self.w, jnp.asarray(np.asarray(groups, np.int32)), axis=0)).astype(np.float32)
+        pieces, at = [], 0
+        for i, r in enumerate(rows):
+            pieces.append(xs[at:at + len(r)] @ ws[i])
+            at += len(r)
+        self._ref = np.concatenate(pieces) if pieces else np.zeros((0, self.w.shape[2]), np.float32)
+
+    def error(self, y):
+        """(relative Frobenius error on the sampled rows, whether the tail is exactly zero or None)."""
+        if self._ref is None:
+            self._build()
+        ys = np.asarray(jnp.take(y, jnp.asarray(self.rows), axis=0)).astype(np.float32)
+        err = float(np.linalg.norm(ys - self._ref) / max(np.linalg.norm(self._ref), 1e-30))
+        total = int(min(self.sizes.sum(), self.m))
+        tail_ok = None if total >= self.m else not bool(jnp.any(y[total:] != 0))
+        return err, tail_ok
+
+
+def fwd_bwd(f):
+    """jit of (x, w, dy, *rest) -> (y, dx, dw) for y = f(x, w, *rest)."""
+    def run(x, w, dy, *rest):
+        y, vjp = jax.vjp(lambda x, w: f(x, w, *rest), x, w)
+        return (y, *vjp(dy))
+    return jax.jit(run)
+
+
+def _matmul(a, b):
+    return a @ b
+
+
+DENSE_FWD, DENSE_FWD_BWD = jax.jit(_matmul), fwd_bwd(_matmul)
+DENSE_CACHE = {}   # (rows, K, N) -> {label: TFLOP/s} and the case that measured it
+
+
+def jax_impls(m, k, n, g, args):
+    """Grouped implementations for one shape, as f(x, w, group_sizes): group sizes are an argument, so a
+    shape compiles once for all its routings."""
+    interp = args.interpret
+    impls = {"ours": lambda x, w, gs: grouped_gemm(x, w, gs, interpret=interp),
+             "xla_ragged_dot": lambda x, w, gs: jax.lax.ragged_dot(x, w, gs)}
+    # the other owner of the zero tail (GroupedGemmTuning.zero_tail), same tiles
+    mask_tuning = dataclasses.replace(default_tuning(m, k, n, g), zero_tail="mask")
+    impls["ours_mask_tail"] = lambda x, w, gs: grouped_gemm(x, w, gs, interpret=interp, tuning=mask_tuning)
+    # the work tables by cumsum + searchsorted (GroupedGemmTuning.tables, the default before "fused"), same kernel
+    impls["ours_scan_tables"] = lambda x, w, gs: grouped_gemm(
+        x, w, gs, interpret=interp, tuning=dataclasses.replace(default_tuning(m, k, n, g), tables="scan"))
+    # row tiles on one grid over all rows (GroupedGemmTuning.row_tiles, the default before "group"), same tiles
+    impls["ours_grid_tiles"] = lambda x, w, gs: grouped_gemm(
+        x, w, gs, interpret=interp, tuning=dataclasses.replace(default_tuning(m, k, n, g), row_tiles="grid"))
+    # the forward tiles before the shape rule for large experts (64-wide K steps, four deep), where they differ
+    base = default_tuning(m, k, n, g)
+    if base.fwd.tile_k != 64:
+        k64 = dataclasses.replace(base, fwd=dataclasses.replace(base.fwd, tile_k=64, max_concurrent_steps=4))
+        impls["ours_k64"] = lambda x, w, gs: grouped_gemm(x, w, gs, interpret=interp, tuning=k64)
+    # the input-gradient tiles before its long-reduction rule (64-wide steps over N, four deep), where they differ
+    if base.dgrad.tile_k != 64:
+        dk64 = dataclasses.replace(base, dgrad=dataclasses.replace(base.dgrad, tile_k=64, max_concurrent_steps=4))
+        impls["ours_dgrad_k64"] = lambda x, w, gs: grouped_gemm(x, w, gs, interpret=interp, tuning=dk64)
+    return impls
+
+
+def mgpu_fwd(gs, m, n):
+    import functools
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    # grid_block_n=4 was its best in the smoke run (Mixtral: 592 vs 547 at 2 and 452 at 1)
+    configs = [dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=gbn)
+               for gbn in (4, 2, 1) if n % (128 * gbn) == 0][:1]
+    return {f"jax_ragged_dot_mgpu[{c['grid_block_n']}]": jax.jit(
+        functools.partial(ragged_dot_mgpu.ragged_dot, group_sizes=gs, **c)) for c in configs}
+
+
+def import_tokamax():
+    import types
+    for mod in ("xprof", "xprof.cli", "xprof.cli.tools"):  # tokamax imports these for its own tools
+        sys.modules.setdefault(mod, types.ModuleType(mod))
+    sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None
+    import tokamax
+    return tokamax
+
+
+def measure_tokamax(row, record, gs, x, w, dy, flops, with_bwd):
+    """tokamax's Mosaic ragged_dot untuned, then autotuned as its README shows: `tokamax.autotune(f, *args)`
+    once per shape, and the calls run inside `with result:` (a fresh function each time, so no trace made
+    before tuning is reused). Autotuning seconds are recorded."""
+    tokamax = import_tokamax()
+    make = lambda: (lambda x, w: tokamax.ragged_dot(x, w, gs, implementation="mosaic"))  # noqa: E731
+    record("tokamax_mosaic_untuned/fwd", jax.jit(make()), (x, w), flops)
+    variants = [("fwd", lambda: jax.jit(make()), (x, w), flops)]
+    if with_bwd:
+        variants.append(("fwd+bwd", lambda: fwd_bwd(make()), (x, w, dy), 3 * flops))
+    for label, build, argv, nflop in variants:
+        t0 = time.perf_counter()
+        tuned = tokamax.autotune(build(), *argv, progress_bar=False)
+        row.setdefault("tokamax_autotune_s", {})[label] = round(time.perf_counter() - t0, 1)
+        print(f"  tokamax autotune {label}: {time.perf_counter() - t0:.1f} s", flush=True)
+        with tuned:
+            record(f"tokamax_mosaic_autotuned/{label}", build(), argv, nflop)
+
+
+def _tflops(flop_per_s):
+    v = flop_per_s / 1e12
+    return round(v, 1) if v >= 10 else float(f"{v:.3g}")   # 3 digits for CPU-smoke sizes
+
+
+def past_deadline(args):
+    return args.deadline is not None and time.perf_counter() > args.deadline
+
+
+def measure_case(case, x, w, dy, impls, args, results, torch_res):
+    m, k, n, g, name, routing = case["M"], case["K"], case["N"], case["G"], case["shape"], case["routing"]
+    gs_np = np.asarray(case["group_sizes"], np.int32)
+    gs = jnp.asarray(gs_np)
+    useful = case["useful_rows"]
+    flops = 2.0 * useful * k * n   # useful FLOPs: rows routed to a group (for padded, not the tail)
+    row = dict(case, useful_gflop_per_gemm=round(flops / 1e9, 3), tflops={}, ms={}, errors={})
+    merge_torch(row, torch_res)
+    check = SampledCheck(x, w, gs_np)
+
+    def record(label, fn, argv, nflop, do_check=True):
+        if not wanted(label, args):
+            return
+        if past_deadline(args):
+            row["errors"][label] = "skipped: --time-budget-s reached"
+            return
+        try:
+            t, out = time_call(fn, *argv)
+            row["tflops"][label] = _tflops(nflop / t)
+            row["ms"][label] = round(t * 1e3, 4)
+            msg = ""
+            if do_check and label.endswith("/fwd"):
+                err, tail_ok = check.error(out[0] if isinstance(out, tuple) else out)
+                row["errors"][label] = err
+                msg = f"  rel err {err:.1e}"
+                if tail_ok is not None:
+                    row.setdefault("tail_zero", {})[label] = tail_ok
+                    msg += "  tail zero" if tail_ok else "  TAIL NOT ZERO"
+            print(f"  {name:20s} {routing:10s} {label:34s} {nflop / t / 1e12:7.1f} TFLOP/s "
+                  f"({t * 1e3:.3f} ms){msg}", flush=True)
+            save_json(args, results + [row])  # a timeout keeps every finished number
+        except Exception as e:  # noqa: BLE001  (one failing baseline must not stop the run)
+            row["tflops"][label] = None
+            row["errors"][label] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"  {name} {routing} {label} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+    for label, fn in impls["fwd"].items():
+        record(f"{label}/fwd", fn, (x, w, gs), flops)
+    if any(wanted(f"jax_ragged_dot_mgpu[{i}]/fwd", args) for i in (1, 2, 4)):
+        for label, fn in mgpu_fwd(gs, m, n).items():
+            record(f"{label}/fwd", fn, (x, w), flops)
+    for label, fn in impls["bwd"].items():
+        record(f"{label}/fwd+bwd", fn, (x, w, dy, gs), 3 * flops)
+    measure_dense(row, case, x, w, dy, flops, record, args)
+    if args.sweep and (name.startswith("goal") or args.suite) and routing in ("uniform", "half_empty"):
+        for cfg in sweep_tilings(n, k):
+            tuning = dataclasses.replace(default_tuning(m, k, n, g), fwd=cfg)
+            f = jax.jit(lambda x, w, gs, t=tuning: grouped_gemm(x, w, gs, tuning=t, interpret=args.interpret))
+            record(f"ours[{tiling_label(cfg)}]/fwd", f, (x, w, gs), flops)
+        sweep_backward(row, x, w, dy, gs, default_tuning(m, k, n, g), flops, record, args)
+    if args.tokamax:
+        try:
+            measure_tokamax(row, record, gs, x, w, dy, flops, args.bwd)
+        except Exception as e:  # noqa: BLE001
+            row["errors"]["tokamax"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"  tokamax FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    results.append(row)
+
+
+def measure_dense(row, case, x, w, dy, flops, record, args):
+    """x[:useful rows] @ w[0]: one GEMM of the same (useful) FLOPs; timed once per (rows, K, N)."""
+    useful, k, n = case["useful_rows"], case["K"], case["N"]
+    key = (useful, k, n)
+    if useful == 0:
+        return
+    if key in DENSE_CACHE:
+        for label, v in DENSE_CACHE[key]["tflops"].items():
+            row["tflops"][label] = v
+            row["ms"][label] = DENSE_CACHE[key]["ms"].get(label)
+        row["dense_measured_in"] = DENSE_CACHE[key]["case"]
+        return
+    xd, w0, dyd = x[:useful], w[0], dy[:useful]
+    record("dense_same_flops/fwd", DENSE_FWD, (xd, w0), flops, do_check=False)
+    if args.bwd:
+        record("dense_same_flops/fwd+bwd", DENSE_FWD_BWD, (xd, w0, dyd), 3 * flops)
+    done = {lb: v for lb, v in row["tflops"].items() if lb.startswith("dense_same_flops/") and v is not None}
+    if done:
+        DENSE_CACHE[key] = dict(tflops=done, ms={lb: row["ms"].get(lb) for lb in done},
+                                case=f"{case['shape']}/{case['routing']}")
+
+
+def sweep_backward(row, x, w, dy, gs, base, flops, record, args):
+    """The input- and weight-gradient kernels alone, default tiles against variants (128-wide K steps, for
+    the weight gradient 128 tokens per step; chained items; pipeline depth; warpgroup split); each variant's
+    output is compared with the default's (relative Frobenius error, in row['errors'])."""
+    dgrad_variants = [dict(), dict(chain_items=True), dict(tile_k=128, max_concurrent_steps=2),
+                      dict(tile_k=128, max_concurrent_steps=2, chain_items=True)]
+    wgrad_variants = [dict(), dict(max_concurrent_steps=3), dict(tile_k=128, max_concurrent_steps=2),
+                      dict(wg_split="n")]
+    dyb = dy.astype(x.dtype)
+    for kernel, variants in (("dgrad", dgrad_variants), ("wgrad", wgrad_variants)):
+        ref = None
+        for v in variants:
+            cfg = dataclasses.replace(getattr(base, kernel), **v)
+            if kernel == "dgrad" and (x.shape[1] % cfg.cta_n or w.shape[2] % cfg.tile_k):
+                continue
+            tuning = dataclasses.replace(base, **{kernel: cfg})
+            if kernel == "dgrad":
+                f = jax.jit(lambda dy, w, gs, t=tuning: grouped_gemm_dgrad(dy, w, gs, tuning=t,
+                                                                           interpret=args.interpret))
+                argv = (dyb, w, gs)
+            else:
+                f = jax.jit(lambda x, dy, gs, t=tuning: grouped_gemm_wgrad(x, dy, gs, tuning=t,
+                                                                           interpret=args.interpret))
+                argv = (x, dyb, gs)
+            label = f"ours_{kernel}[{tiling_label(cfg)}]/{kernel}"
+            record(label, f, argv, flops, do_check=False)
+            if label not in row["tflops"] or row["tflops"][label] is None:
+                continue
+            out = np.asarray(f(*argv).astype(jnp.float32))
+            if ref is None:
+                ref = out
+            err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+            row["errors"][label] = err
+            print(f"    {label}: rel diff to the default {err:.1e}", flush=True)
+
+
+def tiling_label(cfg):
+    return (f"{cfg.wg_split}{cfg.tile_m}x{cfg.tile_n}k{cfg.tile_k}s{cfg.max_concurrent_steps}"
+            f"m{cfg.grid_minor}w{cfg.grid_tile_width}e{cfg.epi_tile_n}x{cfg.epi_slots}"
+            f"{'c' if cfg.chain_items else ''}")
+
+
+def sweep_tilings(n, k):
+    """Forward tilings to time against the default: warpgroup split, tile sizes, K step, pipeline depth,
+    work order, epilogue staging (chunk width and slots), chained pipelines across work items. Only those
+    that tile N and K exactly."""
+    variants = [dict(), dict(epi_slots=2), dict(chain_items=True), dict(chain_items=True, epi_slots=2),
+                dict(chain_items=True, grid_tile_width=16), dict(chain_items=True, wg_split="m"),
+                dict(chain_items=True, tile_k=128, max_concurrent_steps=2),
+                dict(tile_k=128, max_concurrent_steps=2), dict(wg_split="m"), dict(wg_split="m", epi_slots=2),
+                dict(grid_minor=1), dict(tile_n=64, max_concurrent_steps=6, epi_slots=2),
+                # one m64n256 wgmma per K slice per warpgroup (CTA 128 x 256, as cuBLAS's 256x128-class tiles):
+                # both warpgroups read the same 256-wide w slice, 17% less SMEM read than two m64n128 each
+                dict(wg_split="m", tile_m=64, tile_n=256), dict(wg_split="m", tile_m=64, tile_n=256, chain_items=True),
+                dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2),
+                dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2, chain_items=True)]
+    out = []
+    for v in variants:
+        cfg = GemmTiling(**v)
+        if n % cfg.cta_n == 0 and k % cfg.tile_k == 0:
+            out.append(cfg)
+    return out

@@ -1,0 +1,114 @@
+"""What bench_grouped_gemm.py writes: per-row ratios and issue 10's verdicts, the summary over rows, the JSON (with
+the environment it ran in) and the markdown table next to it."""
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+
+from benchmarks.grouped_gemm_cases import TOKENS_PER_DEVICE
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def finalize_row(row):
+    t = row["tflops"]
+    ours = {kd: t.get(f"ours/{kd}") for kd in ("fwd", "fwd+bwd")}
+    row["ratios"] = {f"ours/{base}/{kd}": _ratio(ours[kd], t.get(f"{base}/{kd}"))
+                     for base in ("torch_grouped_mm", "dense_same_flops") for kd in ("fwd", "fwd+bwd")}
+    r = row["ratios"]
+    vs_torch = [r[f"ours/torch_grouped_mm/{kd}"] for kd in ("fwd", "fwd+bwd")]
+    vs_dense = r["ours/dense_same_flops/fwd"]
+    row["verdict"] = {"ours>=torch_grouped_mm": None if None in vs_torch else all(v >= 1.0 for v in vs_torch),
+                      "ours>=0.9x_dense_fwd": None if vs_dense is None else vs_dense >= 0.9}
+    return row
+
+
+def summary(results):
+    def collect(key):
+        vals = [(f"{r['shape']}/{r['routing']}", r["verdict"][key]) for r in results]
+        return dict(all_rows_pass=bool(vals) and all(v is True for _, v in vals),
+                    failing=[s for s, v in vals if v is False], missing=[s for s, v in vals if v is None])
+    return {"rows": len(results), "ours>=torch_grouped_mm": collect("ours>=torch_grouped_mm"),
+            "ours>=0.9x_dense_fwd": collect("ours>=0.9x_dense_fwd")}
+
+
+def save_json(args, results):
+    results = [finalize_row(r) for r in results]
+    env = dict(args.environment, elapsed_s=round(time.perf_counter() - args.t_start, 1))
+    with open(args.out, "w") as f:
+        json.dump(dict(environment=env, suite=args.suite, mode=None if args.suite else args.mode,
+                       tokens_per_device=TOKENS_PER_DEVICE if args.suite == "issue10" else None,
+                       flops_note="useful FLOPs: 2*sum(group_sizes)*K*N per GEMM, 3 GEMMs for fwd+bwd",
+                       summary=summary(results), results=results), f, indent=1)
+
+
+def _fmt(v, ratio=False):
+    if v is None:
+        return "-"
+    return f"{v:.2f}" if ratio else f"{v:.0f}" if v >= 10 else f"{v:.3g}"
+
+
+def _ok(v):
+    return {True: "yes", False: "NO", None: "-"}[v]
+
+
+def markdown_table(results, env):
+    head = ("| shape | routing | M | K | N | G | useful rows | fwd ours | fwd torch | fwd dense | fwd dense (torch) "
+            "| ours/torch | ours/dense | f+b ours | f+b torch | f+b dense | ours/torch | ours/dense | >= torch "
+            "| >= 0.9 dense fwd |")
+    lines = [f"Grouped GEMM, bf16, TFLOP/s of useful FLOPs ({env.get('device')}, jax {env.get('jax')}, "
+             f"torch {env.get('torch')}); ours = Pallas Mosaic GPU kernel, default tuning; torch = "
+             "torch._grouped_mm; dense = one GEMM of the same FLOPs (in the JAX process; 'dense (torch)': the "
+             "same GEMM in the torch process, which runs first: where the two dense columns differ, the "
+             "processes did not run the GPU at the same pace)", "", head,
+             "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        t, q, v = r["tflops"], r["ratios"], r["verdict"]
+        cells = [r["shape"], r["routing"], r["M"], r["K"], r["N"], r["G"], r["useful_rows"]]
+        for kd in ("fwd", "fwd+bwd"):
+            cells += [_fmt(t.get(f"ours/{kd}")), _fmt(t.get(f"torch_grouped_mm/{kd}")),
+                      _fmt(t.get(f"dense_same_flops/{kd}"))]
+            cells += [_fmt(t.get("torch_dense_same_flops/fwd"))] if kd == "fwd" else []
+            cells += [_fmt(q[f"ours/torch_grouped_mm/{kd}"], True), _fmt(q[f"ours/dense_same_flops/{kd}"], True)]
+        cells += [_ok(v["ours>=torch_grouped_mm"]), _ok(v["ours>=0.9x_dense_fwd"])]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    s = summary(results)
+    for key in ("ours>=torch_grouped_mm", "ours>=0.9x_dense_fwd"):
+        verdict = ("PASS on every row" if s[key]["all_rows_pass"] else "FAIL" if s[key]["failing"]
+                   else "INCOMPLETE (no failing row, some numbers missing)")
+        lines.append(f"\n{key}: {verdict}; failing {s[key]['failing'] or 'none'}; "
+                     f"missing {s[key]['missing'] or 'none'}")
+    return "\n".join(lines)
+
+
+def environment(torch_env):
+    import jaxlib
+    dev = jax.devices()[0]
+    info = dict(device=dev.device_kind, platform=dev.platform, num_sms=getattr(dev, "core_count", None),
+                jax=jax.__version__, jaxlib=jaxlib.__version__, python=sys.version.split()[0],
+                date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    for dist in importlib.metadata.distributions():   # the jax CUDA plugin, without importing it
+        name = (dist.metadata["Name"] or "").lower()
+        if name.startswith("jax-cuda") or name.startswith("jax_cuda"):
+            info[name] = dist.version
+    try:
+        info["torch"] = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    info.update(torch_env)
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,power.limit",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        if smi.returncode == 0 and smi.stdout.strip():
+            info["nvidia_smi"] = smi.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        info["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    return info

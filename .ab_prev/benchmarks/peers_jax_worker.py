@@ -1,0 +1,255 @@
+"""bench_peers.py's JAX workers (`--worker jax-core | jax-extra`): the same-run dense GEMM, this project's Block
+(one and two layers) and the stock-JAX block variants, each timed fwd+bwd and appended to the results file.
+JAX is imported only inside the functions, so the orchestrator can import this module without it; the repo
+root is already on sys.path here (this module is imported as benchmarks.peers_jax_worker)."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+import traceback
+
+from benchmarks.peers_plan import Shapes
+from benchmarks.peers_worker_contract import emit, load_tokens, time_loop
+
+def _jax_setup(tiny: bool):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+    return jax
+
+
+def _jax_bench(jax, f, args_, n, reps, warmup=2):
+    out = None
+    for _ in range(warmup):
+        out = f(*args_)
+    jax.block_until_ready(out)
+    holder = {}
+
+    def run_n(k):
+        o = None
+        for _ in range(k):
+            o = f(*args_)
+        holder["o"] = o
+
+    def sync():
+        if "o" in holder:
+            jax.block_until_ready(holder["o"])
+    # One untimed loop of n calls first: in two peers runs ours_block's second timed loop was 20-35% slower
+    # than the others (the first loop to follow a full loop of n calls in flight), so the timed loops now start
+    # from that state.
+    run_n(n)
+    sync()
+    return time_loop(run_n, sync, n, reps)
+
+
+def build_ours(shapes: Shapes, tiny: bool, layers: int):
+    """This project's Block(s) and a jitted grad of a scalar of y w.r.t. params and x."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from megascale_jax.config import default_config
+    from megascale_jax.model.transformer import Block, Kernels
+    from megascale_jax.parallel.layouts import local_layout
+
+    over = {"model.num_layers": 1}
+    if tiny:
+        over.update({"model.hidden": shapes.hidden, "model.num_heads": shapes.heads,
+                     "model.num_kv_heads": shapes.kv_heads, "model.moe.expert_ffn": shapes.ffn,
+                     "model.dense_ffn": shapes.ffn, "model.moe.num_experts": shapes.experts,
+                     "model.moe.top_k": shapes.top_k})
+    cfg = default_config("mixtral_small", **over)
+    m = cfg.model
+    assert (m.hidden, m.num_heads, m.num_kv_heads, m.moe.expert_ffn, m.moe.num_experts, m.moe.top_k) == (
+        shapes.hidden, shapes.heads, shapes.kv_heads, shapes.ffn, shapes.experts, shapes.top_k), m
+    on_gpu = jax.default_backend() == "gpu"
+    kernels = Kernels(attention="cudnn", grouped_gemm="pallas") if on_gpu else Kernels("xla", "xla")
+    layout = local_layout(num_experts=m.moe.num_experts)
+    blocks = [Block(m, moe=True, param_dtype=jnp.bfloat16, kernels=kernels, rngs=nnx.Rngs(i))
+              for i in range(layers)]
+    splits = [nnx.split(b, nnx.Param, ...) for b in blocks]
+    graphdefs = [s[0] for s in splits]
+    params = [s[1] for s in splits]
+    rests = [s[2] for s in splits]
+
+    def loss(params, x):
+        y = x
+        counts = []
+        for gd, p, r in zip(graphdefs, params, rests):
+            y, stats = nnx.merge(gd, p, r)(y, layout)
+            counts.append(stats["tokens_per_expert"])
+        return jnp.mean(y.astype(jnp.float32) ** 2), counts
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+    return grad, params, kernels
+
+
+def stock_fns(shapes: Shapes, attn_impl: str):
+    """The stock-JAX block variants, copied from this project's ../shared/bench/stock_block.py (that file runs
+    its benchmark at import) and parametrised by `shapes`: ragged / capacity / bound experts."""
+    import jax
+    import jax.numpy as jnp
+
+    T, H, NQ, NKV, D, F, E, K = (shapes.tokens, shapes.hidden, shapes.heads, shapes.kv_heads, shapes.head_dim,
+                                 shapes.ffn, shapes.experts, shapes.top_k)
+    B, S = shapes.batch, shapes.seq
+    DT = jnp.bfloat16
+
+    def rms(x):
+        xf = x.astype(jnp.float32)
+        return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)).astype(DT)
+
+    def init():
+        ks = jax.random.split(jax.random.key(0), 8)
+        s = 0.02
+        return dict(
+            wq=jax.random.normal(ks[0], (H, NQ * D), DT) * s, wk=jax.random.normal(ks[1], (H, NKV * D), DT) * s,
+            wv=jax.random.normal(ks[2], (H, NKV * D), DT) * s, wo=jax.random.normal(ks[3], (NQ * D, H), DT) * s,
+            wr=jax.random.normal(ks[4], (H, E), jnp.float32) * s,
+            wg=jax.random.normal(ks[5], (E, H, F), DT) * s, wu=jax.random.normal(ks[6], (E, H, F), DT) * s,
+            wd=jax.random.normal(ks[7], (E, F, H), DT) * s)
+
+    def attention(p, x):
+        h = rms(x)
+        q = (h @ p["wq"]).reshape(B, S, NQ, D)
+        k = (h @ p["wk"]).reshape(B, S, NKV, D)
+        v = (h @ p["wv"]).reshape(B, S, NKV, D)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attn_impl)
+        return x + o.reshape(T, NQ * D) @ p["wo"]
+
+    def route(p, h):
+        probs = jax.nn.softmax(h.astype(jnp.float32) @ p["wr"], -1)
+        w, idx = jax.lax.top_k(probs, K)
+        return (w / w.sum(-1, keepdims=True)).astype(DT), idx
+
+    def experts_ragged(p, h, w, idx):
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat)
+        xs = h[order // K]
+        gs = jnp.bincount(flat, length=E).astype(jnp.int32)
+        a = jax.nn.silu(jax.lax.ragged_dot(xs, p["wg"], gs)) * jax.lax.ragged_dot(xs, p["wu"], gs)
+        o = jax.lax.ragged_dot(a, p["wd"], gs)
+        out = jnp.zeros_like(o).at[order].set(o).reshape(T, K, H)
+        return (out * w[..., None]).sum(1)
+
+    def experts_capacity(p, h, w, idx):
+        c = T * K // E
+        onehot = jax.nn.one_hot(idx, E, dtype=jnp.int32)  # T,K,E
+        pos = jnp.cumsum(onehot.reshape(T * K, E), 0).reshape(T, K, E) * onehot - 1
+        keep = (pos < c) & (pos >= 0)
+        disp = (jax.nn.one_hot(jnp.where(keep, pos, -1), c, dtype=DT) * keep[..., None]).sum(1)  # T,E,C
+        comb = (jax.nn.one_hot(jnp.where(keep, pos, -1), c, dtype=DT) * (keep * w[..., None])[..., None]).sum(1)
+        xe = jnp.einsum("tec,th->ech", disp, h)
+        a = jax.nn.silu(jnp.einsum("ech,ehf->ecf", xe, p["wg"])) * jnp.einsum("ech,ehf->ecf", xe, p["wu"])
+        o = jnp.einsum("ecf,efh->ech", a, p["wd"])
+        return jnp.einsum("tec,ech->th", comb, o)
+
+    def experts_bound(p, h, w, idx):
+        xe = jnp.tile(h, (K, 1)).reshape(E, T * K // E, H)
+        a = jax.nn.silu(jnp.einsum("ech,ehf->ecf", xe, p["wg"])) * jnp.einsum("ech,ehf->ecf", xe, p["wu"])
+        o = jnp.einsum("ecf,efh->ech", a, p["wd"]).reshape(K, T, H)
+        return (o * jnp.moveaxis(w, 1, 0)[..., None]).sum(0)
+
+    def block(p, x, experts):
+        x = attention(p, x)
+        h = rms(x)
+        w, idx = route(p, h)
+        return x + experts(p, h, w, idx)
+
+    experts = {"ragged": experts_ragged, "capacity": experts_capacity, "bound": experts_bound}
+
+    def grad_fn(kind):
+        ex = experts[kind]
+        return jax.jit(jax.grad(lambda p, x: jnp.mean(block(p, x, ex).astype(jnp.float32) ** 2), argnums=(0, 1)))
+    return init, grad_fn
+
+
+@contextlib.contextmanager
+def _row_tiles(align):
+    """Within the block, the grouped GEMM's default tunings with `row_tiles=align` (None: unchanged). The model
+    takes the kernel's defaults (it has no tuning knob), so the A/B variant swaps the two default functions
+    the kernel module calls, for the trace only."""
+    if align is None:
+        yield
+        return
+    import pallas_kernels.grouped_gemm as gg
+    saved = gg.default_tuning, gg.default_kernel_tuning
+    gg.default_tuning = lambda *a: dataclasses.replace(saved[0](*a), row_tiles=align)
+    gg.default_kernel_tuning = lambda *a: dataclasses.replace(saved[1](*a), row_tiles=align)
+    try:
+        yield
+    finally:
+        gg.default_tuning, gg.default_kernel_tuning = saved
+
+
+def jax_worker(args, shapes: Shapes, names: list[str]):
+    jax = _jax_setup(args.tiny)
+    import jax.numpy as jnp
+    import numpy as np
+
+    env = jax_environment()
+    emit(args.results, "_env_jax", ok=False, env=env, error="(environment record)")
+    on_gpu = jax.default_backend() == "gpu"
+    n, reps = (args.iters, args.reps) if not args.tiny else (2, 2)
+    x_np = load_tokens(args.tokens, shapes)
+    deadline = time.monotonic() + args.worker_budget_s
+
+    for name in names:
+        left = deadline - time.monotonic()
+        if left < 15 and not args.tiny:
+            emit(args.results, name, ok=False, skipped=f"worker budget exhausted ({left:.0f} s left)",
+                 error="budget")
+            continue
+        t_start = time.perf_counter()
+        try:
+            if name == "jax_dense_gemm":
+                nn_ = 8192 if not args.tiny else 256
+                a = jax.random.normal(jax.random.key(1), (nn_, nn_), jnp.bfloat16)
+                f = jax.jit(lambda a: a @ a)
+                ms, per = _jax_bench(jax, f, (a,), n=max(n, 20) if not args.tiny else 2, reps=reps)
+                emit(args.results, name, ok=True, ms=ms, per_loop_ms=per, n=nn_,
+                     extra=f"{2 * nn_ ** 3 / ms / 1e9:.0f} TFLOP/s", wall_s=time.perf_counter() - t_start)
+            elif name in ("ours_block", "ours_2layer", "ours_block_grid_tiles"):
+                layers = 2 if name == "ours_2layer" else 1
+                with _row_tiles("grid" if name == "ours_block_grid_tiles" else None):
+                    grad, params, kernels = build_ours(shapes, args.tiny, layers)
+                    x = jnp.asarray(x_np, jnp.bfloat16)
+                    (g, gx), counts = grad(params, x)   # traced (and compiled) under the tiles asked for
+                counts = [np.asarray(c).tolist() for c in counts]
+                finite = bool(np.isfinite(np.asarray(jnp.sum(gx.astype(jnp.float32)))))
+                t_compiled = time.perf_counter() - t_start
+                ms, per = _jax_bench(jax, lambda p, x: grad(p, x), (params, x), n=n, reps=reps)
+                imb = [max(c) / (sum(c) / len(c)) for c in counts]
+                emit(args.results, name, ok=True, ms=ms, per_loop_ms=per, kernels=dataclasses.asdict(kernels),
+                     tokens_per_expert=counts, max_over_mean_load=imb, grads_finite=finite,
+                     compile_s=t_compiled, wall_s=time.perf_counter() - t_start,
+                     extra=f"load max/mean {max(imb):.2f}")
+                del params, g, gx
+            elif name.startswith("stock_"):
+                kind = name.split("_", 1)[1]
+                init, grad_fn = stock_fns(shapes, "cudnn" if on_gpu else "xla")
+                p = init()
+                x = jnp.asarray(x_np.reshape(shapes.tokens, shapes.hidden), jnp.bfloat16)
+                f = grad_fn(kind)
+                ms, per = _jax_bench(jax, f, (p, x), n=n, reps=reps)
+                emit(args.results, name, ok=True, ms=ms, per_loop_ms=per, wall_s=time.perf_counter() - t_start,
+                     extra="drops tokens" if kind == "capacity" else "")
+                del p
+            else:
+                emit(args.results, name, ok=False, error=f"unknown jax variant {name}")
+        except Exception as e:  # noqa: BLE001 - one variant's failure must not stop the others
+            emit(args.results, name, ok=False, error=f"{type(e).__name__}: {str(e)[:1500]}",
+                 traceback=traceback.format_exc()[-4000:], wall_s=time.perf_counter() - t_start)
+        try:
+            jax.clear_caches()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def jax_environment() -> dict:
+    try:
+        from benchmarks.environment import environment
+        return environment()
+    except Exception as e:  # noqa: BLE001
+        return {"error": repr(e)}

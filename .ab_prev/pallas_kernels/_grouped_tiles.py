@@ -1,0 +1,412 @@
+"""Tiles of the grouped GEMM kernels: how the work is cut, for every kernel that runs grouped GEMM tiles.
+
+One owner per concern: a second kernel (a fused all-gather + grouped GEMM) imports these pieces instead
+of copying them, and `grouped_gemm.py` keeps the kernel bodies, launch, validation and custom VJP.
+  * Tiling:       `GemmTiling`, `GroupedGemmTuning` (both re-exported by grouped_gemm.py); defaults by
+                  shape (`default_tuning`; `default_kernel_tuning` for one kernel called on its own);
+                  `fit_smem` (pipeline depth vs SMEM), `fit_ragged_tiling` (the forward / dgrad tiles as run),
+                  `sm_count` (the persistent grid's size).
+  * Checks:       `check_tiling` (a hand-made tuning fits the shape), `check_dtypes`, `check_group_sizes`,
+                  `check_tuning_enums`: what every entry point's validation shares, with the same messages.
+  * Work tables:  `group_bounds`, `prefix_sum`, `row_tile_table` (forward, input gradient; tiles
+                  aligned to each group or to one grid),
+                  `token_block_table` (weight gradient): plain jnp computed on device before a launch, read
+                  by the persistent loop.
+  * Tile helpers inside kernel bodies: `swizzle_transforms`, `warpgroup_tile` (a warpgroup's part of the
+                  CTA tile) and `warpgroup_mma` (its plain K-step body), `epilogue_smem` + `store_rows` (the
+                  ragged-row TMA epilogue, also storing zero tiles without any loads), `mask_token_rows`.
+The module is private (underscore); its names are not, because sibling kernels import them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+NUM_COMPUTE_WGS = 2
+INTERPRET_NUM_SMS = 3  # a few simulated SMs exercise a persistent loop without 132 CPU threads
+SUPPORTED_IN_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit operand types
+SMEM_BUDGET = 227 * 1024 - 2048  # Hopper's per-block opt-in limit, less room for the pipeline barriers
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tiling (dataclasses, defaults by shape, SMEM fit) and the checks every grouped GEMM entry point runs
+# ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GemmTiling:
+    """Tiles of one kernel. Each of the 2 compute warpgroups owns a `tile_m x tile_n` accumulator;
+    `wg_split` says whether they sit side by side along N (CTA tile tile_m x 2*tile_n) or along M."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    max_concurrent_steps: int = 4
+    wg_split: str = "n"
+    grid_minor: int = 0      # 0: row tiles vary fastest in the work order (w tiles reused from L2)
+    grid_tile_width: int = 8  # band width of the snake order over (row tiles, column tiles)
+    epi_tile_n: int = 64     # output columns staged through SMEM per TMA store
+    # SMEM staging buffers per warpgroup for the epilogue: 2 lets chunk j+1 be written while chunk j's TMA
+    # store still reads its buffer (1: every chunk waits for the previous store to finish reading).
+    epi_slots: int = 1
+    # Chain the K pipelines of an SM's consecutive work items (forward / input gradient kernel): the next
+    # item's loads overlap this item's epilogue. Needs K steps divisible by the pipeline depth (else off).
+    chain_items: bool = False
+
+    @property
+    def cta_m(self) -> int:
+        return self.tile_m * (NUM_COMPUTE_WGS if self.wg_split == "m" else 1)
+
+    @property
+    def cta_n(self) -> int:
+        return self.tile_n * (NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmTuning:
+    """Per-kernel tiles: forward `fwd`, input gradient `dgrad`, weight gradient `wgrad` (its tile_m runs
+    over K, tile_n over N, tile_k over tokens). `num_sms=None` reads the device's SM count.
+
+    `zero_tail` says who writes the zero rows past sum(group_sizes) of y and dx: 'kernel' (its tail tiles
+    store zeros from SMEM: no loads, no MMA, one write of the tail) or 'mask' (the kernels skip those tiles
+    and a jnp.where zeroes them; XLA can fuse the select into the consumer, a standalone call pays one pass
+    over the output). A long tail (expert-parallel dropless buffers are n x the average rows) is where they
+    could differ; `benchmarks/bench_grouped_gemm.py --routings padded` times both.
+
+    `tables` says how the work tables are computed on device before each launch (the same tables either
+    way, see `row_tile_table`): 'scan' (cumsum + searchsorted) or 'fused' (masked sums: no scan, no while
+    loop), the default: on the H200 (benchmarks/results/grouped_gemm_profile_h200.json, Qwen3-30B-A3B EP1
+    forward) 'scan' ran 25 small kernels (27-29 us) plus launch gaps before each ~0.2-0.3 ms GEMM, 'fused' 6
+    (7-8 us): 466 -> 513 (padded), 612 -> 686 (half_empty), 586 -> 601 (uniform) TFLOP/s per call.
+
+    `row_tiles` says where the forward / input-gradient row tiles start (see `row_tile_table`): 'group' (each
+    group's tiles start at its own first row, so a group of s rows costs cdiv(s, tile) tiles) or 'grid' (one
+    grid of tiles over all M rows, a tile straddling a group boundary computed once per group: a group at a
+    random offset costs one tile more on average)."""
+
+    fwd: GemmTiling = GemmTiling()
+    dgrad: GemmTiling = GemmTiling()
+    wgrad: GemmTiling = GemmTiling(max_concurrent_steps=4, wg_split="m")
+    num_sms: int | None = None
+    zero_tail: str = "kernel"
+    tables: str = "fused"
+    row_tiles: str = "group"
+
+
+def fit_tiling(base: GemmTiling, n_cols: int, name: str) -> GemmTiling:
+    """Widest CTA tile along N that divides `n_cols` (TMA blocks must not straddle the edge)."""
+    for split, tile_n in (("n", 128), ("m", 128), ("m", 64)):
+        if n_cols % (tile_n * (NUM_COMPUTE_WGS if split == "n" else 1)) == 0:
+            return dataclasses.replace(base, wg_split=split, tile_n=tile_n, epi_tile_n=min(64, tile_n))
+    raise ValueError(f"{name}={n_cols} must be a multiple of 64; pad the weights to a multiple of 64")
+
+
+def fit_wgrad_tiling(base: GemmTiling, k: int, n: int) -> GemmTiling:
+    """dw tiles are (K rows x N columns); the widest pair of warpgroup tiles that divides both."""
+    for split, tile_m, tile_n in (("m", 128, 128), ("n", 128, 128), ("m", 64, 128), ("n", 64, 64), ("m", 64, 64)):
+        cta_m = tile_m * (NUM_COMPUTE_WGS if split == "m" else 1)
+        cta_n = tile_n * (NUM_COMPUTE_WGS if split == "n" else 1)
+        if k % cta_m == 0 and n % cta_n == 0:
+            return dataclasses.replace(base, wg_split=split, tile_m=tile_m, tile_n=tile_n, epi_tile_n=64)
+    raise ValueError(f"weight gradient needs K={k} or N={n} to be a multiple of 128 (the other of 64); "
+                     "pad the weights")
+
+
+def default_tuning(m: int, k: int, n: int, num_groups: int) -> GroupedGemmTuning:
+    """Defaults by shape: the widest CTA tile that divides the output (forward writes N columns, dgrad
+    K columns, wgrad K x N), with the forward's pipelines chained across work items. Measured
+    on the H200, each against the alternatives in one run (benchmarks/results/grouped_gemm_sweep_h200.json,
+    grouped_gemm_chain_sweep_h200.json):
+      * the forward of large experts (K >= 4096, N >= 2048: Mixtral, DeepSeek-V3) takes 128-wide K steps two
+        deep: 677 vs 650 TFLOP/s (Mixtral 8x7B), 676 vs 651 (DeepSeek-V3 EP 8) against 64-wide four deep;
+      * chained pipelines: +0.1..2.3% forward on all 8 (shape, routing) pairs timed (DeepSeekMoE 628 vs 614,
+        Mixtral with 128-wide steps 680 vs 666, Qwen3 575 vs 571); chained with two epilogue slots was slower
+        (478), so epi_slots stays 1;
+      * on the fine-grained shapes (K = 2048, N <= 1408) no swept tiling beat these by more than ~2%;
+      * the input gradient follows the same rule with its own roles (it reduces over N and writes K columns):
+        Mixtral's gate/up dgrad (reduction 14336) 708 vs 690 TFLOP/s with 128-wide steps, DeepSeek-V3's
+        (reduction 2048, below the rule) 661 vs 659, Qwen3's (768) 567 vs 616 (grouped_gemm_backward_sweep_h200.json);
+        chained dgrad items measured within 1.6% either way (690.6 / 626.3 / 658.2 vs 690.4 / 615.8 / 659.2): off."""
+    del m, num_groups
+    fwd = _long_reduction_steps(fit_tiling(GemmTiling(chain_items=True), n, "N"), reduction=k, out_cols=n)
+    dgrad = _long_reduction_steps(fit_tiling(GemmTiling(), k, "K"), reduction=n, out_cols=k)
+    wgrad = fit_wgrad_tiling(GemmTiling(), k, n)
+    return GroupedGemmTuning(fwd=fwd, dgrad=dgrad, wgrad=wgrad)
+
+
+def _long_reduction_steps(cfg: GemmTiling, reduction: int, out_cols: int) -> GemmTiling:
+    """128-wide K steps two deep for large experts (reduction >= 4096, >= 2048 output columns, side-by-side
+    warpgroups): the forward and input-gradient rule of `default_tuning`."""
+    if reduction >= 4096 and out_cols >= 2048 and reduction % 128 == 0 and cfg.wg_split == "n":
+        return dataclasses.replace(cfg, tile_k=128, max_concurrent_steps=2)
+    return cfg
+
+
+def default_kernel_tuning(kernel: str, k: int, n: int) -> GroupedGemmTuning:
+    """`default_tuning`'s tiles for `kernel` ('dgrad' or 'wgrad') called on its own, so that the other
+    kernels' alignment rules do not reject shapes this one takes (dgrad alone needs only K to fit)."""
+    if kernel == "dgrad":
+        fit = _long_reduction_steps(fit_tiling(GemmTiling(), k, "K"), reduction=n, out_cols=k)
+    else:
+        fit = fit_wgrad_tiling(GemmTiling(), k, n)
+    return dataclasses.replace(GroupedGemmTuning(), **{kernel: fit})
+
+
+def sm_count(interpret: bool) -> int:
+    """The persistent grid's size: the device's SMs, or INTERPRET_NUM_SMS in the CPU interpreter."""
+    return INTERPRET_NUM_SMS if interpret else jax.devices()[0].core_count
+
+
+def fit_smem(cfg: GemmTiling, stage_elems: int, out_dtype) -> GemmTiling:
+    """Drops pipeline stages (to 2) until the input buffers plus the epilogue staging fit in SMEM (an fp32
+    output doubles the staging); if two stages still do not fit, halves tile_k and tries again (a 128-wide
+    K step with an fp32 output). `stage_elems` is the elements of one stage at cfg.tile_k."""
+    out_bytes = NUM_COMPUTE_WGS * cfg.epi_slots * cfg.tile_m * cfg.epi_tile_n * jnp.dtype(out_dtype).itemsize
+    steps = cfg.max_concurrent_steps
+    while steps > 2 and steps * stage_elems * 2 + out_bytes > SMEM_BUDGET:
+        steps -= 1
+    if steps * stage_elems * 2 + out_bytes > SMEM_BUDGET:
+        if cfg.tile_k <= 64:
+            raise ValueError(f"tiles {cfg} need {steps * stage_elems * 2 + out_bytes} bytes of SMEM with 2 "
+                             f"stages, over the {SMEM_BUDGET} available: use smaller tile_m / tile_n / epi_tile_n")
+        half = dataclasses.replace(cfg, tile_k=cfg.tile_k // 2, max_concurrent_steps=2 * steps)
+        return fit_smem(half, stage_elems // 2, out_dtype)
+    return dataclasses.replace(cfg, max_concurrent_steps=steps)
+
+
+def fit_ragged_tiling(cfg, k_dim: int, out_dtype):
+    """The forward / input-gradient tiles as they run: pipeline depth fitted to SMEM, and chained pipelines
+    only where a depth >= 2 divides the K steps."""
+    cfg = fit_smem(cfg, (cfg.cta_m + cfg.cta_n) * cfg.tile_k, out_dtype)
+    if cfg.chain_items:   # chained pipelines need the K steps to be a multiple of the pipeline depth
+        depths = [s for s in range(cfg.max_concurrent_steps, 1, -1) if (k_dim // cfg.tile_k) % s == 0]
+        # the deepest that divides; none (an odd prime step count): unchained at the full depth
+        cfg = dataclasses.replace(cfg, max_concurrent_steps=depths[0], chain_items=True) if depths else \
+            dataclasses.replace(cfg, chain_items=False)
+    return cfg
+
+
+def check_tiling(name: str, cfg: GemmTiling, dims_and_tiles, what: str):
+    """A tuning passed by hand must still tile the shape exactly: TMA blocks never straddle an edge."""
+    if cfg.wg_split not in ("m", "n"):
+        raise ValueError(f"tuning.{name}.wg_split must be 'm' or 'n', got {cfg.wg_split!r}")
+    if cfg.tile_n % cfg.epi_tile_n:
+        raise ValueError(f"tuning.{name}.epi_tile_n={cfg.epi_tile_n} must divide tile_n={cfg.tile_n}")
+    if cfg.epi_slots not in (1, 2):
+        raise ValueError(f"tuning.{name}.epi_slots={cfg.epi_slots} must be 1 or 2 (SMEM staging buffers)")
+    for label, dim, tile in dims_and_tiles:
+        if dim % tile:
+            raise ValueError(f"{what}: {label} {dim} is not a multiple of the tuning.{name} tile {tile}; pad "
+                             "the weights (K and N to multiples of 64) or pass another tuning")
+
+
+def check_group_sizes(group_sizes_G, g):
+    if group_sizes_G.shape != (g,) or not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
+        raise ValueError(f"group_sizes_G must be an integer vector of shape ({g},) (one size per weight "
+                         f"group); got {group_sizes_G.dtype} {group_sizes_G.shape}")
+
+
+def check_dtypes(a_name, a, b_name, b, preferred_element_type):
+    """Both operands in one 16-bit dtype (wgmma's rule); returns the output dtype."""
+    if a.dtype != b.dtype or a.dtype not in SUPPORTED_IN_DTYPES:
+        raise ValueError(f"{a_name} and {b_name} must share dtype bfloat16 or float16; got {a.dtype} and "
+                         f"{b.dtype}: cast them (the kernel accumulates in float32 either way)")
+    out_dtype = jnp.dtype(preferred_element_type or a.dtype)
+    if out_dtype not in (jnp.dtype(a.dtype), jnp.dtype(jnp.float32)):
+        raise ValueError(f"preferred_element_type must be None, {a.dtype} or float32; got {out_dtype}")
+    return out_dtype
+
+
+def check_tuning_enums(tuning):
+    """The tuning's enums (zero_tail, tables, row_tiles)."""
+    if tuning.zero_tail not in ("kernel", "mask"):
+        raise ValueError(f"tuning.zero_tail must be 'kernel' or 'mask', got {tuning.zero_tail!r}")
+    if tuning.row_tiles not in ROW_TILE_ALIGNMENTS:
+        raise ValueError(f"tuning.row_tiles must be one of {ROW_TILE_ALIGNMENTS}, got {tuning.row_tiles!r}")
+    if tuning.tables not in TABLE_METHODS:
+        raise ValueError(f"tuning.tables must be one of {TABLE_METHODS}, got {tuning.tables!r}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Work-item tables (plain jnp, computed on device before the kernels run)
+# ----------------------------------------------------------------------------------------------------
+def group_bounds(group_sizes_G, m):
+    """[start, end) rows of each group, cut at m as ragged_dot cuts them; a negative size (invalid input the
+    kernels cannot reject, the sizes being traced) counts as 0, so no bound ever leaves [0, m]."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_G.astype(jnp.int32), 0)), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    return starts, ends
+
+
+def prefix_sum(v_G):
+    """Inclusive prefix sums of a short int32 vector as one masked sum over a [G, G] square: plain
+    elementwise + reduce, which XLA fuses with the ops around it (jnp.cumsum is a scan of its own)."""
+    j = jnp.arange(v_G.shape[0], dtype=jnp.int32)
+    return jnp.sum(jnp.where(j[None, :] <= j[:, None], v_G[None, :], 0), axis=1, dtype=jnp.int32)
+
+
+def _fused_group_bounds(group_sizes_G, m):
+    """`group_bounds` with the prefix sum as `prefix_sum` (same values)."""
+    sizes = jnp.maximum(group_sizes_G.astype(jnp.int32), 0)
+    inclusive = prefix_sum(sizes)
+    return jnp.minimum(inclusive - sizes, m), jnp.minimum(inclusive, m)
+
+
+TABLE_METHODS = ("scan", "fused")
+
+
+def _table_method(method: str) -> str:
+    if method not in TABLE_METHODS:
+        raise ValueError(f"work table method must be one of {TABLE_METHODS}, got {method!r}")
+    return method
+
+
+ROW_TILE_ALIGNMENTS = ("group", "grid")
+# A tile's first row is a multiple of this: the swizzled SMEM tiles are 8 rows tall, and Mosaic GPU slices the
+# input only at whole SMEM tiles (an unaligned dynamic row offset fails its layout inference).
+ROW_ALIGN = 8
+
+
+def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True, method: str = "fused",
+                   align: str = "group"):
+    """int32 [4, S]: for each (segment, row tile) work slot its segment, the tile's first row, the first row
+    of the segment inside the tile and the segment's row count in it; and int32 [2], the numbers of compute
+    slots and of zero-tail slots after them. Segment G is the tail past sum(group_sizes): it is stored as zeros.
+    `align` says where a segment's tiles start: 'group' at its own first row rounded down to a multiple of
+    ROW_ALIGN (cdiv(size + that remainder, tile) tiles; only the first and last can hold rows of the
+    neighbours), 'grid' on one grid of tiles over all rows (a tile straddling a boundary is one slot per
+    segment). Every tile starts at a multiple of ROW_ALIGN, and one that would run past row m starts at the
+    last such row that keeps it inside (its segment's rows then start at lo > 0): so m must be a multiple of
+    ROW_ALIGN and >= tile (the launcher pads its input to that). S = cdiv(m, tile) + G + 1 bounds the slot count
+    (each segment adds at most one partial tile); the kernel loops over the valid slots only, so spare ones
+    cost nothing and do not unbalance the SMs.
+    `method` only says how the same table is computed: 'scan' (jnp.cumsum + jnp.searchsorted, whose default
+    method is a while loop of log2(G + 2) steps), 'fused' (the prefix sums and the slot -> segment search as
+    masked sums over [G, G] and [S, G + 1] squares: elementwise + reduce, which XLA fuses into a few kernels)."""
+    if align not in ROW_TILE_ALIGNMENTS:
+        raise ValueError(f"row tile alignment must be one of {ROW_TILE_ALIGNMENTS}, got {align!r}")
+    if m % ROW_ALIGN or m < tile or tile % ROW_ALIGN:
+        raise ValueError(f"row_tile_table needs rows m={m} and tile={tile} to be multiples of {ROW_ALIGN} with "
+                         "m >= tile; pad the rows (the grouped GEMM launcher does)")
+    num_groups = group_sizes_G.shape[0]
+    fused = _table_method(method) == "fused"
+    starts, ends = (_fused_group_bounds if fused else group_bounds)(group_sizes_G, m)
+    starts = jnp.concatenate([starts, ends[-1:]])
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    origin = (starts // (ROW_ALIGN if align == "group" else tile)) * (ROW_ALIGN if align == "group" else tile)
+    n_tiles = jnp.where(ends > starts, pl.cdiv(ends - origin, tile), 0)   # tile i starts at origin + i * tile
+    inclusive = prefix_sum(n_tiles) if fused else jnp.cumsum(n_tiles)
+    slot = jnp.arange(pl.cdiv(m, tile) + num_groups + 1, dtype=jnp.int32)
+    if fused:   # searchsorted(side='right'): how many inclusive ends are <= slot
+        seg = jnp.sum(inclusive[None, :] <= slot[:, None], axis=1, dtype=jnp.int32)
+    else:
+        seg = jnp.searchsorted(inclusive, slot, side="right").astype(jnp.int32)
+    valid = seg <= num_groups
+    seg = jnp.minimum(seg, num_groups)
+    tile_start = origin[seg] + (slot - (inclusive[seg] - n_tiles[seg])) * tile
+    row0 = jnp.minimum(tile_start, m - tile)      # a tile past row m slides back inside (m - tile is aligned)
+    lo = jnp.maximum(starts[seg], tile_start) - row0
+    count = jnp.where(valid, jnp.minimum(ends[seg], tile_start + tile) - jnp.maximum(starts[seg], tile_start), 0)
+    table = jnp.stack([seg, jnp.where(valid, row0, 0), jnp.where(valid, lo, 0), count]).astype(jnp.int32)
+    # Valid slots come first, the tail's last: [compute slots, tail slots] (no tail slots when with_tail is off).
+    counts = jnp.stack([inclusive[-2], inclusive[-1] - inclusive[-2] if with_tail else jnp.int32(0)])
+    return table, counts.astype(jnp.int32)
+
+
+def token_block_table(group_sizes_G, m: int, tile: int, method: str = "fused"):
+    """int32 [4, G]: each group's first token block, block count (at least 1, so an empty group still
+    writes its zeros), and [start, end) rows — the rows outside are masked in the first/last block."""
+    starts, ends = (_fused_group_bounds if _table_method(method) == "fused" else group_bounds)(group_sizes_G, m)
+    first = starts // tile
+    n_blocks = jnp.maximum(pl.cdiv(ends, tile) - first, 1)
+    return jnp.stack([first, n_blocks, starts, ends]).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Helpers inside kernel bodies
+# ----------------------------------------------------------------------------------------------------
+def swizzle_transforms(minor_elems: int, dtype):
+    swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)
+
+
+def epilogue_smem(cfg: GemmTiling, dtype):
+    """The epilogue's SMEM staging: per compute warpgroup, `epi_slots` buffers of tile_m x epi_tile_n."""
+    return plgpu.SMEM((NUM_COMPUTE_WGS, cfg.epi_slots, cfg.tile_m, cfg.epi_tile_n), dtype)
+
+
+def store_rows(acc, out_smem, out_gmem, row0, col0, cfg: GemmTiling, rows=None):
+    """Stores this warpgroup's accumulator (an fp32 array, or None for zeros) at out_gmem[row0:, col0:];
+    `rows=(lo, count)` keeps only rows [lo, lo+count). out_smem: this warpgroup's [epi_slots, tile_m,
+    epi_tile_n] staging. TMA boxes are static, so a ragged count is written as a sum of powers of two, one
+    store per set bit, committed as one bulk group per chunk (rows=None: one store per chunk).
+    With two slots a chunk waits only for the store two chunks back, which read the slot it overwrites."""
+    slots, wg_rows = out_smem.shape[0], out_smem.shape[1]
+    chunks = cfg.tile_n // cfg.epi_tile_n
+    for ni in range(chunks):
+        slot = ni % slots
+        # In flight may stay: the previous chunk's group when it used the other slot (never across work items
+        # when the chunk count is odd: the next item's chunk 0 reuses the slot of this item's last chunk).
+        pending = 1 if slots == 2 and (ni > 0 or chunks % 2 == 0) else 0
+        plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
+        if acc is None:
+            out_smem[slot] = jnp.zeros(out_smem.shape[1:], out_smem.dtype)
+        else:
+            out_smem[slot] = acc[:, ni * cfg.epi_tile_n:(ni + 1) * cfg.epi_tile_n].astype(out_smem.dtype)
+        plgpu.commit_smem()
+        cols = pl.ds(col0 + ni * cfg.epi_tile_n, cfg.epi_tile_n)
+        src = out_smem.at[slot]
+        if rows is None:
+            plgpu.copy_smem_to_gmem(src, out_gmem.at[pl.ds(row0, wg_rows), cols])
+            continue
+        start, count = rows
+        bit = 1 << (wg_rows.bit_length() - 1)
+        while bit:
+            pl.when((count & bit) != 0)(functools.partial(
+                plgpu.copy_smem_to_gmem, src.at[pl.ds(start, bit)],
+                out_gmem.at[pl.ds(row0 + start, bit), cols], commit_group=False))
+            start = start + (count & bit)
+            bit >>= 1
+        plgpu.commit_smem_to_gmem_group()   # the chunk's stores are one bulk group for the waits above
+
+
+class WarpgroupTile(NamedTuple):
+    """Warpgroup `wg`'s part of a CTA tile: its row and column slices of the CTA's operand / accumulator
+    tiles (a slice(None) on the side the warpgroups share) and its first row and column inside the CTA tile."""
+    rows: object
+    cols: object
+    row0: object
+    col0: object
+
+
+def warpgroup_tile(cfg: GemmTiling, wg) -> WarpgroupTile:
+    by_m, by_n = cfg.wg_split == "m", cfg.wg_split == "n"
+    return WarpgroupTile(rows=pl.ds(wg * cfg.tile_m, cfg.tile_m) if by_m else slice(None),
+                         cols=pl.ds(wg * cfg.tile_n, cfg.tile_n) if by_n else slice(None),
+                         row0=wg * cfg.tile_m if by_m else 0, col0=wg * cfg.tile_n if by_n else 0)
+
+
+def warpgroup_mma(tile: WarpgroupTile):
+    """The K-step body of a pipeline over x [cta_m, tile_k] and w [tile_k, cta_n] SMEM tiles: this warpgroup's
+    wgmma into its accumulator, waited for (the pipeline then releases the step's SMEM slot)."""
+    def mma(_, x_smem, w_smem, acc_ref):
+        plgpu.wgmma(acc_ref, x_smem.at[tile.rows], w_smem.at[:, tile.cols])
+        plgpu.wgmma_wait(0)
+        return acc_ref
+    return mma
+
+
+def mask_token_rows(ref, row0, start, end):
+    """Zeroes rows of an SMEM tile whose token index is outside [start, end) (neighbouring groups or
+    rows past the end). A multiply by the 0/1 mask: those rows must hold finite values."""
+    vals = ref[...]
+    rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, vals.shape, 0), plgpu.Layout.WGMMA) + row0
+    keep = (rows >= start) & (rows < end)
+    ref[...] = vals * keep.astype(vals.dtype)
+    plgpu.commit_smem()
