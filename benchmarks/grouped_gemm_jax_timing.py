@@ -21,28 +21,60 @@ TIMING = dict(min_total_s=0.15, loops=5, min_iters=2)
 MAX_ITERS = 2000   # a loop lasts >= min_total_s up to this many calls (a 0.2 ms call: 750 per loop)
 
 
+def _settings(min_total_s, loops, min_iters):
+    return (TIMING["min_total_s"] if min_total_s is None else min_total_s,
+            TIMING["loops"] if loops is None else loops, TIMING["min_iters"] if min_iters is None else min_iters)
+
+
+def _loop_length(fn, args, min_total_s, min_iters):
+    """Calls per loop so that a loop lasts >= min_total_s (compiles fn first); also returns the output."""
+    out = fn(*args)
+    jax.block_until_ready(out)  # compile
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return max(min_iters, min(MAX_ITERS, int(min_total_s / max(time.perf_counter() - t0, 1e-5)))), out
+
+
+def _loop(fn, args, iters):
+    """Seconds per call of one loop of `iters` calls between two syncs, and the last output."""
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters, out
+
+
 def time_call(fn, *args, min_total_s=None, loops=None, min_iters=None):
     """Median seconds per call over `loops` loops of calls between two syncs, each loop >= min_total_s, after
     one untimed loop of the same length. The untimed loop matters for short calls: timed right after a
     compile (the GPU idle), identical tiles timed first read up to 8% below the second timing of the same case
     (grouped_gemm_table_h200.json of 2026-12-02 before this rule, 10 ms loops of at most 50 calls)."""
-    min_total_s = TIMING["min_total_s"] if min_total_s is None else min_total_s
-    loops = TIMING["loops"] if loops is None else loops
-    min_iters = TIMING["min_iters"] if min_iters is None else min_iters
-    out = fn(*args)
-    jax.block_until_ready(out)  # compile
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    iters = max(min_iters, min(MAX_ITERS, int(min_total_s / max(time.perf_counter() - t0, 1e-5))))
+    min_total_s, loops, min_iters = _settings(min_total_s, loops, min_iters)
+    iters, out = _loop_length(fn, args, min_total_s, min_iters)
+    _loop(fn, args, iters)   # warms up, not kept
     times = []
-    for i in range(loops + 1):   # loop 0 warms up and is not kept
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        if i:
-            times.append((time.perf_counter() - t0) / iters)
+    for _ in range(loops):
+        t, out = _loop(fn, args, iters)
+        times.append(t)
     return statistics.median(times), out
+
+
+def time_rounds(variants, min_total_s=None, loops=None, min_iters=None):
+    """Several variants of one problem timed round by round: {label: median seconds per call}.
+
+    `variants` is [(label, fn, args)], each already compiled. Every round runs one loop (>= min_total_s) of
+    each variant in turn, after one untimed round, so a drift of the GPU's pace (clocks, temperature, an idle
+    host-side pause before a variant) falls on all of them alike. Timed one after another instead, the same
+    tiles read 2.7-5% apart depending on their place in the order (grouped_gemm_table_h200.json, 2026-12-02)."""
+    min_total_s, loops, min_iters = _settings(min_total_s, loops, min_iters)
+    iters = {label: _loop_length(fn, args, min_total_s, min_iters)[0] for label, fn, args in variants}
+    times = {label: [] for label, _, _ in variants}
+    for r in range(loops + 1):   # round 0 warms up and is not kept
+        for label, fn, args in variants:
+            t, _ = _loop(fn, args, iters[label])
+            if r:
+                times[label].append(t)
+    return {label: statistics.median(v) for label, v in times.items()}
 
 
 class SampledCheck:
@@ -184,16 +216,27 @@ def measure_case(case, x, w, dy, impls, args, results, torch_res):
     merge_torch(row, torch_res)
     check = SampledCheck(x, w, gs_np)
 
-    def record(label, fn, argv, nflop, do_check=True):
+    rounds = []   # (label, fn, argv, nflop, check message): the case's main variants, timed round by round
+
+    def fill(label, t, nflop, msg):
+        row["tflops"][label] = _tflops(nflop / t)
+        row["ms"][label] = round(t * 1e3, 4)
+        print(f"  {name:20s} {routing:10s} {label:34s} {nflop / t / 1e12:7.1f} TFLOP/s "
+              f"({t * 1e3:.3f} ms){msg}", flush=True)
+
+    def record(label, fn, argv, nflop, do_check=True, interleave=False):
+        """Times `label` now, or (interleave) compiles and checks it now and times it in the rounds below."""
         if not wanted(label, args):
             return
         if past_deadline(args):
             row["errors"][label] = "skipped: --time-budget-s reached"
             return
         try:
-            t, out = time_call(fn, *argv)
-            row["tflops"][label] = _tflops(nflop / t)
-            row["ms"][label] = round(t * 1e3, 4)
+            if interleave:
+                out = fn(*argv)
+                jax.block_until_ready(out)
+            else:
+                t, out = time_call(fn, *argv)
             msg = ""
             if do_check and label.endswith("/fwd"):
                 err, tail_ok = check.error(out[0] if isinstance(out, tuple) else out)
@@ -202,8 +245,10 @@ def measure_case(case, x, w, dy, impls, args, results, torch_res):
                 if tail_ok is not None:
                     row.setdefault("tail_zero", {})[label] = tail_ok
                     msg += "  tail zero" if tail_ok else "  TAIL NOT ZERO"
-            print(f"  {name:20s} {routing:10s} {label:34s} {nflop / t / 1e12:7.1f} TFLOP/s "
-                  f"({t * 1e3:.3f} ms){msg}", flush=True)
+            if interleave:
+                rounds.append((label, fn, argv, nflop, msg))
+                return
+            fill(label, t, nflop, msg)
             save_json(args, results + [row])  # a timeout keeps every finished number
         except Exception as e:  # noqa: BLE001  (one failing baseline must not stop the run)
             row["tflops"][label] = None
@@ -211,13 +256,25 @@ def measure_case(case, x, w, dy, impls, args, results, torch_res):
             print(f"  {name} {routing} {label} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
 
     for label, fn in impls["fwd"].items():
-        record(f"{label}/fwd", fn, (x, w, gs), flops)
+        record(f"{label}/fwd", fn, (x, w, gs), flops, interleave=True)
     if any(wanted(f"jax_ragged_dot_mgpu[{i}]/fwd", args) for i in (1, 2, 4)):
         for label, fn in mgpu_fwd(gs, m, n).items():
-            record(f"{label}/fwd", fn, (x, w), flops)
+            record(f"{label}/fwd", fn, (x, w), flops, interleave=True)
     for label, fn in impls["bwd"].items():
-        record(f"{label}/fwd+bwd", fn, (x, w, dy, gs), 3 * flops)
-    measure_dense(row, case, x, w, dy, flops, record, args)
+        record(f"{label}/fwd+bwd", fn, (x, w, dy, gs), 3 * flops, interleave=True)
+    dense_key = measure_dense(row, case, x, w, dy, flops, record, args)
+    if rounds:
+        try:
+            seconds = time_rounds([(label, fn, argv) for label, fn, argv, _, _ in rounds])
+            for label, _, _, nflop, msg in rounds:
+                fill(label, seconds[label], nflop, msg)
+        except Exception as e:  # noqa: BLE001
+            for label, *_ in rounds:
+                row["tflops"][label] = None
+                row["errors"][label] = f"rounds: {type(e).__name__}: {str(e)[:300]}"
+            print(f"  {name} {routing} timing rounds FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        save_json(args, results + [row])
+    cache_dense(row, case, dense_key)
     if args.sweep and (name.startswith("goal") or args.suite) and routing in ("uniform", "half_empty"):
         for cfg in sweep_tilings(n, k):
             tuning = dataclasses.replace(default_tuning(m, k, n, g), fwd=cfg)
@@ -234,21 +291,28 @@ def measure_case(case, x, w, dy, impls, args, results, torch_res):
 
 
 def measure_dense(row, case, x, w, dy, flops, record, args):
-    """x[:useful rows] @ w[0]: one GEMM of the same (useful) FLOPs; timed once per (rows, K, N)."""
+    """x[:useful rows] @ w[0]: one GEMM of the same (useful) FLOPs, in the case's timing rounds; timed once per
+    (rows, K, N) (`cache_dense` keeps it for the other cases). Returns the key when it was timed here."""
     useful, k, n = case["useful_rows"], case["K"], case["N"]
     key = (useful, k, n)
     if useful == 0:
-        return
+        return None
     if key in DENSE_CACHE:
         for label, v in DENSE_CACHE[key]["tflops"].items():
             row["tflops"][label] = v
             row["ms"][label] = DENSE_CACHE[key]["ms"].get(label)
         row["dense_measured_in"] = DENSE_CACHE[key]["case"]
-        return
+        return None
     xd, w0, dyd = x[:useful], w[0], dy[:useful]
-    record("dense_same_flops/fwd", DENSE_FWD, (xd, w0), flops, do_check=False)
+    record("dense_same_flops/fwd", DENSE_FWD, (xd, w0), flops, do_check=False, interleave=True)
     if args.bwd:
-        record("dense_same_flops/fwd+bwd", DENSE_FWD_BWD, (xd, w0, dyd), 3 * flops)
+        record("dense_same_flops/fwd+bwd", DENSE_FWD_BWD, (xd, w0, dyd), 3 * flops, interleave=True)
+    return key
+
+
+def cache_dense(row, case, key):
+    if key is None:
+        return
     done = {lb: v for lb, v in row["tflops"].items() if lb.startswith("dense_same_flops/") and v is not None}
     if done:
         DENSE_CACHE[key] = dict(tflops=done, ms={lb: row["ms"].get(lb) for lb in done},

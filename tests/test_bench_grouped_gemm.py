@@ -109,3 +109,23 @@ def test_torch_rows_merge_grouped_and_dense_labels():
     assert row["tflops"] == {"torch_grouped_mm/fwd": 1.0, "torch_grouped_mm/fwd+bwd": 2.0,
                              "torch_dense_same_flops/fwd": 3.0, "torch_dense_same_flops/fwd+bwd": 4.0}
     assert row["errors"] == {}
+
+
+def test_timing_rounds_alternate_the_variants():
+    """time_rounds runs one loop of each variant per round (after a warm-up round), so the variants share
+    every stretch of the GPU's pace; each gets the median of its own loops."""
+    import jax.numpy as jnp
+
+    from benchmarks.grouped_gemm_jax_timing import time_rounds
+    log = []
+
+    def variant(tag):
+        def fn(a):
+            log.append(tag)
+            return a + 1
+        return fn
+    got = time_rounds([("a", variant("a"), (jnp.ones(3),)), ("b", variant("b"), (jnp.ones(3),))],
+                      min_total_s=0.0, loops=3, min_iters=2)
+    assert set(got) == {"a", "b"} and all(t > 0 for t in got.values())
+    loops = log[4:]   # after the loop-length probes (2 calls per variant), 4 rounds of 2 calls each
+    assert loops == ["a", "a", "b", "b"] * 4
