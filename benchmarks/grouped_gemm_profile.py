@@ -62,7 +62,8 @@ def build_variant(name, m, k, n, g, interpret):
         raise SystemExit(f"unknown variant {name!r}; choose from {VARIANTS}")
     cfg = fit_ragged_tiling(base.fwd, k, jnp.bfloat16)
     sms = gg._num_sms(base, interpret)
-    tables = jax.jit(lambda gs: row_tile_table(gs, m, cfg.cta_m, with_tail=True))
+    # the launcher's work tables alone (m is a multiple of 8 and >= one tile at every profiled shape)
+    tables = jax.jit(lambda gs: row_tile_table(gs, m, cfg.cta_m, with_tail=True, align=base.row_tiles))
     fn = jax.jit(lambda x, w, t, nv: gg.ragged_launch(x, w, t, nv, jnp.bfloat16, cfg, False, sms, interpret))
     return fn, lambda x, w, gs: (x, w, *jax.block_until_ready(tables(gs)))
 

@@ -212,14 +212,14 @@ def jax_worker(args, shapes: Shapes, names: list[str]):
                      extra=f"{2 * nn_ ** 3 / ms / 1e9:.0f} TFLOP/s", wall_s=time.perf_counter() - t_start)
             elif name in ("ours_block", "ours_2layer", "ours_block_grid_tiles"):
                 layers = 2 if name == "ours_2layer" else 1
-                with _row_tiles("grid" if name == "ours_block_grid_tiles" else None):
+                with _row_tiles("grid" if name == "ours_block_grid_tiles" else None):   # traced and timed
                     grad, params, kernels = build_ours(shapes, args.tiny, layers)
                     x = jnp.asarray(x_np, jnp.bfloat16)
-                    (g, gx), counts = grad(params, x)   # traced (and compiled) under the tiles asked for
-                counts = [np.asarray(c).tolist() for c in counts]
-                finite = bool(np.isfinite(np.asarray(jnp.sum(gx.astype(jnp.float32)))))
-                t_compiled = time.perf_counter() - t_start
-                ms, per = _jax_bench(jax, lambda p, x: grad(p, x), (params, x), n=n, reps=reps)
+                    (g, gx), counts = grad(params, x)
+                    counts = [np.asarray(c).tolist() for c in counts]
+                    finite = bool(np.isfinite(np.asarray(jnp.sum(gx.astype(jnp.float32)))))
+                    t_compiled = time.perf_counter() - t_start
+                    ms, per = _jax_bench(jax, lambda p, x: grad(p, x), (params, x), n=n, reps=reps)
                 imb = [max(c) / (sum(c) / len(c)) for c in counts]
                 emit(args.results, name, ok=True, ms=ms, per_loop_ms=per, kernels=dataclasses.asdict(kernels),
                      tokens_per_expert=counts, max_over_mean_load=imb, grads_finite=finite,

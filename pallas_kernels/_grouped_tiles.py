@@ -85,9 +85,9 @@ class GroupedGemmTuning:
     (7-8 us): 466 -> 513 (padded), 612 -> 686 (half_empty), 586 -> 601 (uniform) TFLOP/s per call.
 
     `row_tiles` says where the forward / input-gradient row tiles start (see `row_tile_table`): 'group' (each
-    group's tiles start at its own first row, so a group of s rows costs cdiv(s, tile) tiles) or 'grid' (one
-    grid of tiles over all M rows, a tile straddling a group boundary computed once per group: a group at a
-    random offset costs one tile more on average)."""
+    group's tiles start at its own first row rounded down to 8, so a group of s rows costs about cdiv(s, tile)
+    tiles) or 'grid' (one grid of tiles over all M rows, a tile straddling a group boundary computed once per
+    group: up to one tile more per group, about half a tile on average over sizes and offsets)."""
 
     fwd: GemmTiling = GemmTiling()
     dgrad: GemmTiling = GemmTiling()
@@ -257,6 +257,12 @@ def _fused_group_bounds(group_sizes_G, m):
     return jnp.minimum(inclusive - sizes, m), jnp.minimum(inclusive, m)
 
 
+def cut_group_sizes(group_sizes_G, m, method: str = "fused"):
+    """The group sizes as the kernels count them: a negative size as 0, the cumulative sizes cut at m."""
+    starts, ends = (_fused_group_bounds if _table_method(method) == "fused" else group_bounds)(group_sizes_G, m)
+    return ends - starts
+
+
 TABLE_METHODS = ("scan", "fused")
 
 
@@ -282,9 +288,10 @@ def row_tile_table(group_sizes_G, m: int, tile: int, with_tail: bool = True, met
     neighbours), 'grid' on one grid of tiles over all rows (a tile straddling a boundary is one slot per
     segment). Every tile starts at a multiple of ROW_ALIGN, and one that would run past row m starts at the
     last such row that keeps it inside (its segment's rows then start at lo > 0): so m must be a multiple of
-    ROW_ALIGN and >= tile (the launcher pads its input to that). S = cdiv(m, tile) + G + 1 bounds the slot count
-    (each segment adds at most one partial tile); the kernel loops over the valid slots only, so spare ones
-    cost nothing and do not unbalance the SMs.
+    ROW_ALIGN and >= tile (the launcher pads its input to that). S = cdiv(m, tile) + G + 1 slots are allocated;
+    the valid ones never exceed cdiv(m, tile) + G (brute-forced on small sizes; a group-aligned origin is never
+    below the grid's). The kernel loops over the valid slots only, so spare ones cost nothing and do not
+    unbalance the SMs.
     `method` only says how the same table is computed: 'scan' (jnp.cumsum + jnp.searchsorted, whose default
     method is a while loop of log2(G + 2) steps), 'fused' (the prefix sums and the slot -> segment search as
     masked sums over [G, G] and [S, G + 1] squares: elementwise + reduce, which XLA fuses into a few kernels)."""
@@ -349,6 +356,7 @@ def store_rows(acc, out_smem, out_gmem, row0, col0, cfg: GemmTiling, rows=None, 
     With two slots a chunk waits only for the store two chunks back, which read the slot it overwrites.
     `zeros_staged` (acc None): every staging slot already holds zeros (`stage_zeros`), so the stores read it
     as it is, with no wait and no SMEM write: a run of zero tiles streams out back to back."""
+    assert acc is None or not zeros_staged, "zeros_staged stores the staged zeros: pass acc=None"
     slots, wg_rows = out_smem.shape[0], out_smem.shape[1]
     chunks = cfg.tile_n // cfg.epi_tile_n
     for ni in range(chunks):

@@ -6,9 +6,10 @@ size past M is cut at M exactly as ragged_dot cuts it (those rows do not exist).
 
 Two kernel bodies (three launches), one persistent warp-specialised design (1 TMA warpgroup, 2 wgmma):
   * `_ragged_kernel`      forward and input gradient: work items are (row tile of one group, column tile);
-                          a group's tiles start at its first row (`row_tiles='group'`; or on one grid over
-                          all rows, a straddling tile computed once per group), and each item stores only
-                          its group's rows (TMA stores of 2^i rows, a binary ladder).
+                          a group's tiles start at its first row rounded down to a multiple of 8
+                          (`row_tiles='group'`; or on one grid over all rows, a straddling tile computed once
+                          per group), and each item stores only its group's rows (TMA stores of 2^i rows, a
+                          binary ladder).
   * `_weight_grad_kernel` `dw[g] = x_gᵀ · dy_g`: work items are (group, K tile, N tile); the reduction runs
                           over the group's token blocks, rows of neighbouring groups masked in SMEM.
 Public entry points, each validated and each with a plain-jnp `*_reference` twin (grouped_gemm_reference.py):
@@ -30,9 +31,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, ROW_ALIGN, GemmTiling, GroupedGemmTuning,
                                            check_dtypes, check_group_sizes, check_tiling, check_tuning_enums,
-                                           default_kernel_tuning, default_tuning, epilogue_smem, fit_ragged_tiling,
-                                           fit_smem, mask_token_rows, row_tile_table, sm_count, stage_zeros,
-                                           store_rows, swizzle_transforms, token_block_table, warpgroup_tile)
+                                           cut_group_sizes, default_kernel_tuning, default_tuning, epilogue_smem,
+                                           fit_ragged_tiling, fit_smem, mask_token_rows, row_tile_table, sm_count,
+                                           stage_zeros, store_rows, swizzle_transforms, token_block_table,
+                                           warpgroup_tile)
 from pallas_kernels.grouped_gemm_reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
                                                    grouped_gemm_wgrad_reference)
 from pallas_kernels.varying import match_varying, vary_like
@@ -235,14 +237,17 @@ def _ragged_matmul(x, w, group_sizes, out_dtype, cfg, transpose_w, num_sms, inte
     # ones back), so rows are padded up to that multiple and to one tile: a copy of x, only for such row counts
     # (the model's are multiples of 8). The pad rows' outputs are cut off again, whatever group they fall in.
     m_run = max(-(-m // ROW_ALIGN) * ROW_ALIGN, cfg.cta_m)
-    x_in = jnp.pad(x, ((0, m_run - m), (0, 0))) if m_run > m else x
-    table, num_valid = row_tile_table(group_sizes, m_run, cfg.cta_m, with_tail=zero_tail == "kernel",
+    x_in, sizes = x, group_sizes
+    if m_run > m:   # the sizes cut at m first, so that no group reaches into the pad rows
+        x_in, sizes = jnp.pad(x, ((0, m_run - m), (0, 0))), cut_group_sizes(group_sizes, m, method=tables)
+    table, num_valid = row_tile_table(sizes, m_run, cfg.cta_m, with_tail=zero_tail == "kernel",
                                       method=tables, align=row_tiles)
     out = ragged_launch(x_in, w, table, num_valid, out_dtype, cfg, transpose_w, num_sms, interpret)[:m]
     if zero_tail == "kernel":
         return out
     rows_M1 = jnp.arange(m, dtype=jnp.int32)[:, None]   # rows the kernel did not write hold garbage
-    return jnp.where(rows_M1 < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
+    total = jnp.sum(jnp.maximum(group_sizes, 0))   # as the tables count rows (a negative size as 0)
+    return jnp.where(rows_M1 < total, out, jnp.zeros((), out.dtype))
 
 
 def _weight_grad(x, dy, group_sizes, out_dtype, cfg, num_sms, interpret, tables="scan"):

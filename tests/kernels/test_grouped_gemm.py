@@ -87,6 +87,22 @@ def test_interpret_forward_and_gradients_match_ragged_dot(case, zero_tail):
     _check_fwd_bwd(x, w, dy, group_sizes, interpret=True, tuning=tuning)
 
 
+@pytest.mark.parametrize("zero_tail", ["kernel", "mask"])
+def test_interpret_negative_sizes_count_as_zero_like_the_twin(zero_tail):
+    """Negative group sizes (invalid, but traced values cannot be rejected) count as 0 in the kernels' tables
+    and in the twin; the masked tail must use the same count (it once zeroed computed rows)."""
+    x, w, dy, _ = _random_problem(8, 72, 128, 128, [0, 0, 0])
+    gs = jnp.asarray([-5, 30, 7], jnp.int32)
+    tuning = dataclasses.replace(SMALL_TUNING, zero_tail=zero_tail)
+    f32 = dict(preferred_element_type=jnp.float32, interpret=True, tuning=tuning)
+    got = (grouped_gemm(x, w, gs, **f32), grouped_gemm_dgrad(dy.astype(jnp.bfloat16), w, gs, **f32))
+    want = (grouped_gemm_reference(x, w, gs, jnp.float32),
+            grouped_gemm_dgrad_reference(dy.astype(jnp.bfloat16), w, gs, jnp.float32))
+    for a, b in zip(got, want):
+        assert _rel_err(a, b) < 1e-5
+        assert np.all(np.asarray(a)[37:] == 0.0) and np.any(np.asarray(a)[25:30] != 0.0)
+
+
 # Epilogue and K-tile variants of the small tiles: two staging slots (odd and even chunk counts per tile),
 # 128-wide K steps. The tail case stores zero tiles straight from SMEM.
 VARIANT_TUNINGS = {

@@ -49,38 +49,46 @@ def test_fused_tables_on_the_qwen3_shape():
         assert int(fused[1][0]) == int(sizes.sum()) // 128 and int(fused[1][1]) == (m - int(sizes.sum())) // 128
 
 
-def _covered_rows(table, counts, m, tile):
-    """Checks each valid slot's tile starts at a multiple of ROW_ALIGN inside [0, m - tile] and returns
-    {segment: the rows it stores}."""
+def _slots(table, counts, m, tile):
+    """Checks each valid slot's tile starts at a multiple of ROW_ALIGN inside [0, m - tile]; returns
+    {segment: [rows stored by each of its slots]} and the segments of the slots in order."""
     table, counts = np.asarray(table), np.asarray(counts)
-    rows = {}
+    rows, order = {}, []
     for slot in range(int(counts[0] + counts[1])):
         seg, row0, lo, count = table[:, slot]
         assert row0 % ROW_ALIGN == 0 and 0 <= row0 <= m - tile and 0 <= lo and lo + count <= tile and count > 0
-        rows.setdefault(int(seg), []).extend(range(row0 + lo, row0 + lo + count))
-    return rows
+        rows.setdefault(int(seg), []).append(list(range(row0 + lo, row0 + lo + count)))
+        order.append(int(seg))
+    return rows, order
 
 
+@pytest.mark.parametrize("with_tail", [True, False])
 @pytest.mark.parametrize("align", ["group", "grid"])
-def test_row_tiles_cover_each_group_once_inside_the_rows(align):
+def test_row_tiles_cover_each_group_once_inside_the_rows(align, with_tail):
     """Against a numpy reading of the contract: the valid slots store every row of every segment exactly once
-    (the tail as segment G), each tile reads rows inside [0, M) from a multiple of ROW_ALIGN (tiles past the
-    end slide back), and a group-aligned table spends cdiv(size + start % ROW_ALIGN, tile) tiles per segment,
-    a grid-aligned one a tile per grid cell the segment touches."""
+    (the tail as segment G, after all compute slots, and only with_tail), each tile reads rows inside [0, M)
+    from a multiple of ROW_ALIGN (tiles past the end slide back); a grid-aligned table spends one slot per
+    grid cell a segment touches, a group-aligned one at most cdiv(size + ROW_ALIGN - 1, tile) per segment and
+    never more in all than the grid's."""
     rng = np.random.default_rng(5)
     for m, tile, g in [(304, 64, 7), (1000, 128, 16), (64, 64, 3), (264, 256, 33)]:
         for sizes in _random_sizes(rng, 16, g, m):
-            table, counts = row_tile_table(jnp.asarray(sizes), m, tile, True, "fused", align)
+            table, counts = row_tile_table(jnp.asarray(sizes), m, tile, with_tail, "fused", align)
+            grid_counts = row_tile_table(jnp.asarray(sizes), m, tile, with_tail, "fused", "grid")[1]
             ends = np.minimum(np.cumsum(np.maximum(sizes, 0)), m)   # cut at m; a negative size counts as 0
             starts = np.concatenate([[0], ends[:-1]])
-            rows = _covered_rows(table, counts, m, tile)
-            want_tiles = 0
-            for seg, (lo, hi) in enumerate(list(zip(starts, ends)) + [(ends[-1], m)]):
-                assert sorted(rows.get(seg, [])) == list(range(lo, hi)), (sizes, seg)
-                if hi > lo:
-                    first = lo - lo % ROW_ALIGN if align == "group" else lo - lo % tile
-                    want_tiles += -(-(hi - first) // tile)
-            assert int(counts[0] + counts[1]) == want_tiles
+            rows, order = _slots(table, counts, m, tile)
+            assert all(s < g for s in order[:int(counts[0])]) and all(s == g for s in order[int(counts[0]):])
+            bounds = list(zip(starts, ends)) + ([(ends[-1], m)] if with_tail else [])
+            for seg, (lo, hi) in enumerate(bounds):
+                per_slot = rows.get(seg, [])
+                assert sorted(r for slot in per_slot for r in slot) == list(range(lo, hi)), (sizes, seg)
+                cells = {r // tile for slot in per_slot for r in slot}
+                if align == "grid":
+                    assert len(per_slot) == len(cells)
+                else:
+                    assert len(per_slot) <= -(-(hi - lo + ROW_ALIGN - 1) // tile)
+            assert int(counts[0] + counts[1]) <= int(grid_counts[0] + grid_counts[1])
 
 
 @pytest.mark.parametrize("m, tile", [(100, 64), (32, 64)])
