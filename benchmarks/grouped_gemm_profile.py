@@ -36,7 +36,8 @@ from benchmarks.environment import environment  # noqa: E402
 from benchmarks.grouped_gemm_cases import ISSUE10_MODELS, TOKENS_PER_DEVICE, group_sizes_for  # noqa: E402
 from benchmarks.grouped_gemm_jax_timing import SampledCheck  # noqa: E402
 import pallas_kernels.grouped_gemm as gg  # noqa: E402
-from pallas_kernels._grouped_tiles import fit_ragged_tiling, row_tile_table  # noqa: E402
+from pallas_kernels._grouped_tiles import fit_ragged_tiling  # noqa: E402
+from pallas_kernels._work_tables import row_tile_table  # noqa: E402
 
 VARIANTS = ("ours", "ours_scan_tables", "kernel_only", "ours_mask_tail", "split_m", "minor1")
 

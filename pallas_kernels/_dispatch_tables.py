@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._grouped_tiles import prefix_sum
+from pallas_kernels._work_tables import prefix_sum
 
 
 def _exclusive_prefix(v):

@@ -15,8 +15,8 @@ Two kernel bodies (three launches), one persistent warp-specialised design (1 TM
 Public entry points, each validated and each with a plain-jnp `*_reference` twin (grouped_gemm_reference.py):
 `grouped_gemm` (differentiable: `jax.custom_vjp`), `grouped_gemm_dgrad` and `grouped_gemm_wgrad`. The
 custom VJP's backward is exactly those two calls, so a hand-written backward can put communication
-(an all-to-all, a reduce-scatter) between them. Elsewhere: tiles, tunings and work tables in
-`_grouped_tiles.py` (shared with future kernels); shard_map varying-axes typing in `varying.py`.
+(an all-to-all, a reduce-scatter) between them. Elsewhere: tiles and tunings in `_grouped_tiles.py`,
+work tables in `_work_tables.py` (both shared with sibling kernels); shard_map varying-axes typing in `varying.py`.
 """
 from __future__ import annotations
 
@@ -29,12 +29,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, ROW_ALIGN, GemmTiling, GroupedGemmTuning,
-                                           check_dtypes, check_group_sizes, check_tiling, check_tuning_enums,
-                                           cut_group_sizes, default_kernel_tuning, default_tuning, epilogue_smem,
-                                           fit_ragged_tiling, fit_smem, mask_token_rows, row_tile_table, sm_count,
-                                           stage_zeros, store_rows, swizzle_transforms, token_block_table,
-                                           warpgroup_tile)
+from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedGemmTuning, check_dtypes,
+                                           check_group_sizes, check_tiling, check_tuning_enums, default_kernel_tuning,
+                                           default_tuning, epilogue_smem, fit_ragged_tiling, fit_smem, mask_token_rows,
+                                           sm_count, stage_zeros, store_rows, swizzle_transforms, warpgroup_tile)
+from pallas_kernels._work_tables import ROW_ALIGN, cut_group_sizes, row_tile_table, token_block_table
 from pallas_kernels.grouped_gemm_reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
                                                    grouped_gemm_wgrad_reference)
 from pallas_kernels.varying import match_varying, vary_like

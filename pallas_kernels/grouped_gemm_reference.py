@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._grouped_tiles import group_bounds
+from pallas_kernels._work_tables import group_bounds
 
 
 def grouped_gemm_reference(x_MK, w_GKN, group_sizes_G, preferred_element_type=None):

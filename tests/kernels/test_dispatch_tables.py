@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels._dispatch_tables import receive_layout, send_runs, tile_sources
-from pallas_kernels._grouped_tiles import row_tile_table
+from pallas_kernels._work_tables import row_tile_table
 
 
 def _counts(rng, n, p, g):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels._grouped_tiles import ROW_ALIGN, prefix_sum, row_tile_table, token_block_table
+from pallas_kernels._work_tables import ROW_ALIGN, prefix_sum, row_tile_table, token_block_table
 from pallas_kernels.grouped_gemm import (GemmTiling, GroupedGemmTuning, grouped_gemm, grouped_gemm_dgrad,
                                          grouped_gemm_dgrad_reference, grouped_gemm_reference, grouped_gemm_wgrad,
                                          grouped_gemm_wgrad_reference)
