@@ -64,6 +64,9 @@ def main():
     p.add_argument("--impls", default="", help="comma list of label substrings to time (overrides the suite's)")
     p.add_argument("--no-bwd", dest="bwd", action="store_false")
     p.add_argument("--sweep", action="store_true", help="also time alternative forward tilings")
+    p.add_argument("--tokens-per-device", type=int, default=None,
+                   help="issue10 suite: tokens per device before dispatch (default 8192); fewer tokens give fewer "
+                        "tiles than SMs, where the sweep's split-K tilings matter")
     p.add_argument("--tokamax", action="store_true")
     p.add_argument("--torch", action="store_true", help="torch._grouped_mm in a subprocess, before JAX")
     p.add_argument("--torch-timeout-s", type=int, default=240)

@@ -103,6 +103,7 @@ def build_cases(args):
     cases = []
     if args.suite == "issue10":
         for model, ep, routings, tokens in ISSUE10_ROWS:
+            tokens = getattr(args, "tokens_per_device", None) or tokens
             k, n, e, top_k = ISSUE10_MODELS[model]
             m, g = tokens * top_k, e // ep
             for routing in routings_arg or routings:

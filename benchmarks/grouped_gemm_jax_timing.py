@@ -363,7 +363,7 @@ def sweep_backward(row, x, w, dy, gs, base, flops, record, args):
 def tiling_label(cfg):
     return (f"{cfg.wg_split}{cfg.tile_m}x{cfg.tile_n}k{cfg.tile_k}s{cfg.max_concurrent_steps}"
             f"m{cfg.grid_minor}w{cfg.grid_tile_width}e{cfg.epi_tile_n}x{cfg.epi_slots}"
-            f"{'c' if cfg.chain_items else ''}")
+            f"{'c' if cfg.chain_items else ''}{f'sk{cfg.split_k}' if cfg.split_k > 1 else ''}")
 
 
 def sweep_tilings(n, k):
@@ -379,10 +379,12 @@ def sweep_tilings(n, k):
                 # both warpgroups read the same 256-wide w slice, 17% less SMEM read than two m64n128 each
                 dict(wg_split="m", tile_m=64, tile_n=256), dict(wg_split="m", tile_m=64, tile_n=256, chain_items=True),
                 dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2),
-                dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2, chain_items=True)]
+                dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2, chain_items=True),
+                # the reduction split in 2 / 4 (fp32 partials, summed after): more items where tiles are few
+                dict(split_k=2, chain_items=True), dict(split_k=4, chain_items=True)]
     out = []
     for v in variants:
         cfg = GemmTiling(**v)
-        if n % cfg.cta_n == 0 and k % cfg.tile_k == 0:
+        if n % cfg.cta_n == 0 and k % (cfg.tile_k * cfg.split_k) == 0:
             out.append(cfg)
     return out

@@ -43,7 +43,8 @@ def save_json(args, results):
     env = dict(args.environment, elapsed_s=round(time.perf_counter() - args.t_start, 1))
     with open(args.out, "w") as f:
         json.dump(dict(environment=env, suite=args.suite, mode=None if args.suite else args.mode,
-                       tokens_per_device=TOKENS_PER_DEVICE if args.suite == "issue10" else None,
+                       tokens_per_device=(getattr(args, "tokens_per_device", None) or TOKENS_PER_DEVICE)
+                       if args.suite == "issue10" else None,
                        flops_note="useful FLOPs: 2*sum(group_sizes)*K*N per GEMM, 3 GEMMs for fwd+bwd",
                        summary=summary(results), results=results), f, indent=1)
 

@@ -57,6 +57,10 @@ class GemmTiling:
     # Chain the K pipelines of an SM's consecutive work items (forward / input gradient kernel): the next
     # item's loads overlap this item's epilogue. Needs K steps divisible by the pipeline depth (else off).
     chain_items: bool = False
+    # Split the reduction (forward / input gradient only): each work item becomes split_k items over one
+    # split_k-th of K each, writing fp32 partials that the launcher sums. More items for shapes with fewer
+    # tiles than SMs (few tokens per expert); off (1) by default until measured.
+    split_k: int = 1
 
     @property
     def cta_m(self) -> int:
@@ -183,16 +187,20 @@ def fit_ragged_tiling(cfg, k_dim: int, out_dtype):
     """The forward / input-gradient tiles as they run: pipeline depth fitted to SMEM, and chained pipelines
     only where a depth >= 2 divides the K steps."""
     cfg = fit_smem(cfg, (cfg.cta_m + cfg.cta_n) * cfg.tile_k, out_dtype)
-    if cfg.chain_items:   # chained pipelines need the K steps to be a multiple of the pipeline depth
-        depths = [s for s in range(cfg.max_concurrent_steps, 1, -1) if (k_dim // cfg.tile_k) % s == 0]
+    if cfg.chain_items:   # chained pipelines need the K steps (of one split) to be a multiple of the depth
+        steps = k_dim // cfg.tile_k // cfg.split_k
+        depths = [s for s in range(cfg.max_concurrent_steps, 1, -1) if steps % s == 0]
         # the deepest that divides; none (an odd prime step count): unchained at the full depth
         cfg = dataclasses.replace(cfg, max_concurrent_steps=depths[0], chain_items=True) if depths else \
             dataclasses.replace(cfg, chain_items=False)
     return cfg
 
 
-def check_tiling(name: str, cfg: GemmTiling, dims_and_tiles, what: str):
+def check_tiling(name: str, cfg: GemmTiling, dims_and_tiles, what: str, split: bool = True):
     """A tuning passed by hand must still tile the shape exactly: TMA blocks never straddle an edge."""
+    if not isinstance(cfg.split_k, int) or cfg.split_k < 1 or (cfg.split_k > 1 and not split):
+        raise ValueError(f"tuning.{name}.split_k={cfg.split_k!r} must be an int >= 1" +
+                         ("" if split else f" and 1 for the {what} kernel (it does not split its reduction)"))
     if cfg.wg_split not in ("m", "n"):
         raise ValueError(f"tuning.{name}.wg_split must be 'm' or 'n', got {cfg.wg_split!r}")
     if cfg.tile_n % cfg.epi_tile_n:

@@ -54,11 +54,16 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
     compute items' K pipelines are chained (pipeline_state START / STEADY / STOP): the TMA warpgroup runs
     ahead into the next item's loads while the compute warpgroups store this item's tile, so the epilogue
     and the pipeline fill are hidden (they are a large share of an item when K is short: fine-grained
-    experts). Without it each item's pipeline fills and drains on its own."""
+    experts). Without it each item's pipeline fills and drains on its own.
+
+    With `cfg.split_k` = S > 1 every work item is S items, each over one S-th of K, storing an fp32 partial at
+    rows ks * M of out_gmem [S * M, N] (the tail's zeros in every partial); the launcher sums them."""
     m, k = x_gmem.shape
     n = out_gmem.shape[1]
+    splits = cfg.split_k
     n_iters = n // cfg.cta_n
-    k_iters = k // cfg.tile_k
+    k_span = k // splits          # the reduction each item runs over
+    k_iters = k_span // cfg.tile_k
     in_tf = swizzle_transforms(cfg.tile_k, x_gmem.dtype)
     w_block = (cfg.cta_n, cfg.tile_k) if transpose_w else (cfg.tile_k, cfg.cta_n)
     chain = cfg.chain_items and k_iters % cfg.max_concurrent_steps == 0
@@ -75,8 +80,8 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
             ])
 
     ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
-    w_shape_ref = w_gmem.at[0, :cfg.cta_n, :] if transpose_w else w_gmem.at[0, :, :cfg.cta_n]
-    allocs = pipeline(ignore, ignore).get_allocations(x_gmem.at[:cfg.cta_m], w_shape_ref)
+    w_shape_ref = w_gmem.at[0, :cfg.cta_n, :k_span] if transpose_w else w_gmem.at[0, :k_span, :cfg.cta_n]
+    allocs = pipeline(ignore, ignore).get_allocations(x_gmem.at[:cfg.cta_m, :k_span], w_shape_ref)
 
     @functools.partial(pl.run_scoped, allocs=allocs, collective_axes="wg",
                        out_smem=epilogue_smem(cfg, out_gmem.dtype))
@@ -85,12 +90,12 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
         num_compute, num_tail = num_valid_ref[0], num_valid_ref[1]
         wg_m, wg_n, wg_row0, wg_col0 = warpgroup_tile(cfg, wg)
 
-        def store(acc, slot, ni, zeros_staged=False):
-            """This warpgroup's part of work item (slot, ni): acc (fp32) or zeros (acc None)."""
+        def store(acc, slot, ni, ks, zeros_staged=False):
+            """This warpgroup's part of work item (slot, ni) of K split ks: acc (fp32) or zeros (acc None)."""
             _, row0, lo, count = (table_ref[i, slot] for i in range(4))
             wlo = jnp.clip(lo - wg_row0, 0, cfg.tile_m)
             whi = jnp.clip(lo + count - wg_row0, 0, cfg.tile_m)
-            store_rows(acc, out_smem.at[wg], out_gmem, row0 + wg_row0,
+            store_rows(acc, out_smem.at[wg], out_gmem, ks * m + row0 + wg_row0,
                        ni * cfg.cta_n + wg_col0, cfg, rows=(wlo, whi - wlo), zeros_staged=zeros_staged)
 
         def mma(_, x_smem, w_smem, acc_ref):
@@ -99,21 +104,23 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
             plgpu.wgmma_wait(0)
             return acc_ref
 
-        @plgpu.nd_loop((num_compute * n_iters,), collective_axes="sm")
+        @plgpu.nd_loop((num_compute * n_iters * splits,), collective_axes="sm")
         def _compute_items(info):
-            slot, ni = plgpu.planar_snake(info.index[0], (num_compute, n_iters), cfg.grid_minor,
-                                          cfg.grid_tile_width)
+            # the splits outermost: the items running at a time are one split's, in the usual snake order
+            ks, item = info.index[0] // (num_compute * n_iters), info.index[0] % (num_compute * n_iters)
+            slot, ni = plgpu.planar_snake(item, (num_compute, n_iters), cfg.grid_minor, cfg.grid_tile_width)
             seg, row0 = table_ref[0, slot], pl.multiple_of(table_ref[1, slot], ROW_ALIGN)
 
             def context(eval_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
                 def _acc(acc_ref):
                     eval_pipeline(acc_ref)
-                    store(acc_ref[...], slot, ni)
+                    store(acc_ref[...], slot, ni, ks)
 
-            x_tile = x_gmem.at[pl.ds(row0, cfg.cta_m)]   # the table keeps every tile inside [0, M)
+            k_part = pl.ds(pl.multiple_of(ks * k_span, cfg.tile_k), k_span) if splits > 1 else slice(None)
+            x_tile = x_gmem.at[pl.ds(row0, cfg.cta_m), k_part]   # the table keeps every tile inside [0, M)
             w_cols = pl.ds(ni * cfg.cta_n, cfg.cta_n)
-            w_tile = w_gmem.at[seg].at[w_cols, :] if transpose_w else w_gmem.at[seg].at[:, w_cols]
+            w_tile = w_gmem.at[seg].at[w_cols, k_part] if transpose_w else w_gmem.at[seg].at[k_part, w_cols]
             if not chain:
                 pipeline(mma, context)(x_tile, w_tile, allocations=allocs)
                 return
@@ -131,11 +138,12 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
         # this SM's last compute item, and every tail store reads it with no wait between them.
         pl.when((wg < NUM_COMPUTE_WGS) & (num_tail > 0))(lambda: stage_zeros(out_smem.at[wg]))
 
-        @plgpu.nd_loop((num_tail * n_iters,), collective_axes="sm")
+        @plgpu.nd_loop((num_tail * n_iters * splits,), collective_axes="sm")
         def _tail_items(info):
             @pl.when(wg < NUM_COMPUTE_WGS)
             def _():
-                store(None, num_compute + info.index[0] // n_iters, info.index[0] % n_iters, zeros_staged=True)
+                ks, item = info.index[0] // (num_tail * n_iters), info.index[0] % (num_tail * n_iters)
+                store(None, num_compute + item // n_iters, item % n_iters, ks, zeros_staged=True)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -225,13 +233,16 @@ def ragged_launch(x, w, table, num_valid, out_dtype, cfg, transpose_w, num_sms, 
     `fit_ragged_tiling`, its cta_m the tables' tile)."""
     n = w.shape[1] if transpose_w else w.shape[2]
     body = functools.partial(_ragged_kernel, cfg=cfg, transpose_w=transpose_w)
-    return _launch(body, (x.shape[0], n), out_dtype, num_sms, interpret, table, num_valid, x, w)
+    if cfg.split_k == 1:
+        return _launch(body, (x.shape[0], n), out_dtype, num_sms, interpret, table, num_valid, x, w)
+    partials = _launch(body, (cfg.split_k * x.shape[0], n), jnp.float32, num_sms, interpret, table, num_valid, x, w)
+    return jnp.sum(partials.reshape(cfg.split_k, x.shape[0], n), axis=0).astype(out_dtype)
 
 
 def _ragged_matmul(x, w, group_sizes, out_dtype, cfg, transpose_w, num_sms, interpret, zero_tail="kernel",
                    tables="scan", row_tiles="group"):
     m, k = x.shape
-    cfg = fit_ragged_tiling(cfg, k, out_dtype)
+    cfg = fit_ragged_tiling(cfg, k, jnp.float32 if cfg.split_k > 1 else out_dtype)
     # Every tile reads cta_m rows inside the input from a multiple of ROW_ALIGN (row_tile_table slides the last
     # ones back), so rows are padded up to that multiple and to one tile: a copy of x, only for such row counts
     # (the model's are multiples of 8). The pad rows' outputs are cut off again, whatever group they fall in.
@@ -271,9 +282,9 @@ def _validate(x_MK, w_GKN, group_sizes_G, preferred_element_type, tuning):
     out_dtype = check_dtypes("x_MK", x_MK, "w_GKN", w_GKN, preferred_element_type)
     tuning = tuning or default_tuning(m, k, n, g)
     fwd, dgrad, wgrad = tuning.fwd, tuning.dgrad, tuning.wgrad
-    check_tiling("fwd", fwd, [("N", n, fwd.cta_n), ("K", k, fwd.tile_k)], "forward")
-    check_tiling("dgrad", dgrad, [("K", k, dgrad.cta_n), ("N", n, dgrad.tile_k)], "input gradient")
-    check_tiling("wgrad", wgrad, [("K", k, wgrad.cta_m), ("N", n, wgrad.cta_n)], "weight gradient")
+    check_tiling("fwd", fwd, [("N", n, fwd.cta_n), ("K", k, fwd.tile_k * fwd.split_k)], "forward")
+    check_tiling("dgrad", dgrad, [("K", k, dgrad.cta_n), ("N", n, dgrad.tile_k * dgrad.split_k)], "input gradient")
+    check_tiling("wgrad", wgrad, [("K", k, wgrad.cta_m), ("N", n, wgrad.cta_n)], "weight gradient", split=False)
     check_tuning_enums(tuning)
     return out_dtype, tuning
 
@@ -287,8 +298,8 @@ def _validate_dgrad(dy_MN, w_GKN, group_sizes_G, preferred_element_type, tuning)
     check_group_sizes(group_sizes_G, g)
     out_dtype = check_dtypes("dy_MN", dy_MN, "w_GKN", w_GKN, preferred_element_type)
     tuning = tuning or default_kernel_tuning("dgrad", k, n)
-    check_tiling("dgrad", tuning.dgrad, [("K", k, tuning.dgrad.cta_n), ("N", n, tuning.dgrad.tile_k)],
-                 "input gradient")
+    check_tiling("dgrad", tuning.dgrad, [("K", k, tuning.dgrad.cta_n),
+                                         ("N", n, tuning.dgrad.tile_k * tuning.dgrad.split_k)], "input gradient")
     check_tuning_enums(tuning)
     return out_dtype, tuning
 
@@ -304,7 +315,7 @@ def _validate_wgrad(x_MK, dy_MN, group_sizes_G, preferred_element_type, tuning):
     out_dtype = check_dtypes("x_MK", x_MK, "dy_MN", dy_MN, preferred_element_type)
     tuning = tuning or default_kernel_tuning("wgrad", k, n)
     check_tiling("wgrad", tuning.wgrad, [("K", k, tuning.wgrad.cta_m), ("N", n, tuning.wgrad.cta_n)],
-                 "weight gradient")
+                 "weight gradient", split=False)
     check_tuning_enums(tuning)
     return out_dtype, tuning
 

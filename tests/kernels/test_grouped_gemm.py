@@ -116,6 +116,12 @@ VARIANT_TUNINGS = {
         wgrad=SMALL_TUNING.wgrad, num_sms=3),
     # row tiles on one grid over all rows (a tile straddling a boundary computed once per group)
     "grid_row_tiles": dataclasses.replace(SMALL_TUNING, row_tiles="grid"),
+    # the reduction split in two (fp32 partials summed by the launcher), plain and chained
+    "split_k2": dataclasses.replace(SMALL_TUNING, fwd=dataclasses.replace(SMALL_TUNING.fwd, split_k=2),
+                                    dgrad=dataclasses.replace(SMALL_TUNING.dgrad, split_k=2)),
+    "split_k2_chained": dataclasses.replace(
+        SMALL_TUNING, fwd=dataclasses.replace(SMALL_TUNING.fwd, split_k=2, chain_items=True),
+        dgrad=dataclasses.replace(SMALL_TUNING.dgrad, split_k=2, chain_items=True)),
     # chained K pipelines across an SM's work items (START / STEADY / STOP), with and without a tail
     "chain_items": GroupedGemmTuning(
         fwd=dataclasses.replace(SMALL_TUNING.fwd, chain_items=True),
@@ -212,13 +218,21 @@ def test_default_tuning_takes_128_wide_k_steps_for_long_reductions(k, n, fwd_k, 
     (dict(w=(2, 128, 96)), "96 must be a multiple of 64"),
     (dict(out=jnp.int8), "preferred_element_type"),
     (dict(zero_tail="both"), "zero_tail"),
+    (dict(fwd=dict(split_k=4)), "K 128 is not a multiple of the tuning.fwd tile 256"),
+    (dict(fwd=dict(split_k=0)), "tuning.fwd.split_k=0 must be an int >= 1"),
+    (dict(wgrad=dict(split_k=2)), "tuning.wgrad.split_k=2 must be an int >= 1 and 1 for the weight gradient"),
 ])
 def test_bad_input_raises_clear_value_error(bad, match):
     x = jnp.zeros(bad.get("x", (64, 128)), bad.get("x_dtype", jnp.bfloat16))
     w = jnp.zeros(bad.get("w", (2, 128, 128)), jnp.bfloat16)
     sizes = jnp.zeros(bad.get("sizes", (2,)), bad.get("sizes_dtype", jnp.int32))
-    tuning = dataclasses.replace(default_tuning(64, 128, 128, 2), zero_tail=bad["zero_tail"]) \
-        if "zero_tail" in bad else None
+    tuning = None
+    if "zero_tail" in bad:
+        tuning = dataclasses.replace(default_tuning(64, 128, 128, 2), zero_tail=bad["zero_tail"])
+    for kernel in ("fwd", "wgrad"):
+        if kernel in bad:
+            base = default_tuning(64, 128, 128, 2)
+            tuning = dataclasses.replace(base, **{kernel: dataclasses.replace(getattr(base, kernel), **bad[kernel])})
     with pytest.raises(ValueError, match=match):
         grouped_gemm(x, w, sizes, preferred_element_type=bad.get("out"), interpret=True, tuning=tuning)
 
