@@ -1,5 +1,6 @@
 """bench_peers.py's JAX workers (`--worker jax-core | jax-extra`): the same-run dense GEMM, this project's Block
-(one and two layers) and the stock-JAX block variants, each timed fwd+bwd and appended to the results file.
+(one and two layers) and the stock-JAX block variants, each timed fwd+bwd and appended to the results file; a
+worker's block variants are built first and then timed round by round.
 JAX is imported only inside the functions, so the orchestrator can import this module without it; the repo
 root is already on sys.path here (this module is imported as benchmarks.peers_jax_worker)."""
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import statistics
 import time
 import traceback
 
@@ -183,6 +185,28 @@ def _row_tiles(align):
         gg.default_tuning, gg.default_kernel_tuning = saved
 
 
+def _jax_rounds(jax, variants, n, reps, warmup=2):
+    """{name: per-loop ms} for [(name, f, args)], each loop n calls between two syncs, the variants in turn in
+    every round (after warm-up calls and one untimed round), so a drift of the GPU's pace falls on all alike:
+    ours vs the bound is the goal's ratio, and timed one after another it carried the drift between them."""
+    for _, f, args_ in variants:
+        out = None
+        for _ in range(warmup):
+            out = f(*args_)
+        jax.block_until_ready(out)
+    per = {name: [] for name, _, _ in variants}
+    for r in range(reps + 1):   # round 0 is not kept
+        for name, f, args_ in variants:
+            t0 = time.perf_counter()
+            out = None
+            for _ in range(n):
+                out = f(*args_)
+            jax.block_until_ready(out)
+            if r:
+                per[name].append((time.perf_counter() - t0) / n * 1e3)
+    return per
+
+
 def jax_worker(args, shapes: Shapes, names: list[str]):
     jax = _jax_setup(args.tiny)
     import jax.numpy as jnp
@@ -194,6 +218,7 @@ def jax_worker(args, shapes: Shapes, names: list[str]):
     n, reps = (args.iters, args.reps) if not args.tiny else (2, 2)
     x_np = load_tokens(args.tokens, shapes)
     deadline = time.monotonic() + args.worker_budget_s
+    rounds = []   # block variants, built and checked below, then timed round by round (_time_blocks)
 
     for name in names:
         left = deadline - time.monotonic()
@@ -212,39 +237,53 @@ def jax_worker(args, shapes: Shapes, names: list[str]):
                      extra=f"{2 * nn_ ** 3 / ms / 1e9:.0f} TFLOP/s", wall_s=time.perf_counter() - t_start)
             elif name in ("ours_block", "ours_2layer", "ours_block_grid_tiles"):
                 layers = 2 if name == "ours_2layer" else 1
-                with _row_tiles("grid" if name == "ours_block_grid_tiles" else None):   # traced and timed
+                with _row_tiles("grid" if name == "ours_block_grid_tiles" else None):
                     grad, params, kernels = build_ours(shapes, args.tiny, layers)
                     x = jnp.asarray(x_np, jnp.bfloat16)
-                    (g, gx), counts = grad(params, x)
-                    counts = [np.asarray(c).tolist() for c in counts]
-                    finite = bool(np.isfinite(np.asarray(jnp.sum(gx.astype(jnp.float32)))))
-                    t_compiled = time.perf_counter() - t_start
-                    ms, per = _jax_bench(jax, lambda p, x: grad(p, x), (params, x), n=n, reps=reps)
+                    # compiled under the tiles asked for; the Compiled object cannot retrace outside the context
+                    compiled = grad.lower(params, x).compile()
+                (g, gx), counts = compiled(params, x)
+                counts = [np.asarray(c).tolist() for c in counts]
+                finite = bool(np.isfinite(np.asarray(jnp.sum(gx.astype(jnp.float32)))))
                 imb = [max(c) / (sum(c) / len(c)) for c in counts]
-                emit(args.results, name, ok=True, ms=ms, per_loop_ms=per, kernels=dataclasses.asdict(kernels),
-                     tokens_per_expert=counts, max_over_mean_load=imb, grads_finite=finite,
-                     compile_s=t_compiled, wall_s=time.perf_counter() - t_start,
-                     extra=f"load max/mean {max(imb):.2f}")
-                del params, g, gx
+                del g, gx
+                rounds.append((name, compiled, (params, x), t_start, dict(
+                    kernels=dataclasses.asdict(kernels), tokens_per_expert=counts, max_over_mean_load=imb,
+                    grads_finite=finite, compile_s=time.perf_counter() - t_start,
+                    extra=f"load max/mean {max(imb):.2f}")))
             elif name.startswith("stock_"):
                 kind = name.split("_", 1)[1]
                 init, grad_fn = stock_fns(shapes, "cudnn" if on_gpu else "xla")
                 p = init()
                 x = jnp.asarray(x_np.reshape(shapes.tokens, shapes.hidden), jnp.bfloat16)
                 f = grad_fn(kind)
-                ms, per = _jax_bench(jax, f, (p, x), n=n, reps=reps)
-                emit(args.results, name, ok=True, ms=ms, per_loop_ms=per, wall_s=time.perf_counter() - t_start,
-                     extra="drops tokens" if kind == "capacity" else "")
-                del p
+                jax.block_until_ready(f(p, x))   # compiled (and any error raised) here, not in the rounds
+                rounds.append((name, f, (p, x), t_start,
+                               dict(extra="drops tokens" if kind == "capacity" else "")))
             else:
                 emit(args.results, name, ok=False, error=f"unknown jax variant {name}")
         except Exception as e:  # noqa: BLE001 - one variant's failure must not stop the others
             emit(args.results, name, ok=False, error=f"{type(e).__name__}: {str(e)[:1500]}",
                  traceback=traceback.format_exc()[-4000:], wall_s=time.perf_counter() - t_start)
-        try:
-            jax.clear_caches()
-        except Exception:  # noqa: BLE001
-            pass
+    _time_blocks(jax, args, rounds, n, reps)
+
+
+def _time_blocks(jax, args, rounds, n, reps):
+    """The block variants built by jax_worker, timed round by round (`_jax_rounds`) and emitted."""
+    if not rounds:
+        return
+    t0 = time.perf_counter()
+    try:
+        per = _jax_rounds(jax, [(name, f, a) for name, f, a, _, _ in rounds], n, reps)
+    except Exception as e:  # noqa: BLE001
+        for name, *_ in rounds:
+            emit(args.results, name, ok=False, error=f"timing rounds: {type(e).__name__}: {str(e)[:1500]}",
+                 traceback=traceback.format_exc()[-4000:])
+        return
+    rounds_s = time.perf_counter() - t0
+    for name, _, _, t_start, fields in rounds:
+        emit(args.results, name, ok=True, ms=statistics.median(per[name]), per_loop_ms=per[name],
+             timed_with=[r[0] for r in rounds], rounds_s=rounds_s, wall_s=time.perf_counter() - t_start, **fields)
 
 
 def jax_environment() -> dict:

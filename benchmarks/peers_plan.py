@@ -84,7 +84,7 @@ VARIANTS = [
                                   "(torch.compile inductor), bf16 params, fwd+bwd", 1),
     ("torchtitan_2layer", "torch", "two torchtitan blocks, fwd+bwd", 2),
     ("ours_2layer", "jax-extra", "two of this project's Blocks unrolled, fwd+bwd", 2),
-    ("ours_block_grid_tiles", "jax-extra", "ours_block with the grouped GEMM's row tiles on one grid over all "
+    ("ours_block_grid_tiles", "jax-core", "ours_block with the grouped GEMM's row tiles on one grid over all "
                                            "rows (GroupedGemmTuning.row_tiles='grid', the default before "
                                            "'group'), fwd+bwd", 1),
     ("stock_capacity", "jax-extra", "stock JAX block, capacity-factor-1.0 one-hot einsum dispatch "
