@@ -13,36 +13,12 @@ import time
 import traceback
 
 from benchmarks.peers_plan import Shapes
-from benchmarks.peers_worker_contract import emit, load_tokens, time_loop
+from benchmarks.peers_worker_contract import emit, load_tokens
 
 def _jax_setup(tiny: bool):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     return jax
-
-
-def _jax_bench(jax, f, args_, n, reps, warmup=2):
-    out = None
-    for _ in range(warmup):
-        out = f(*args_)
-    jax.block_until_ready(out)
-    holder = {}
-
-    def run_n(k):
-        o = None
-        for _ in range(k):
-            o = f(*args_)
-        holder["o"] = o
-
-    def sync():
-        if "o" in holder:
-            jax.block_until_ready(holder["o"])
-    # One untimed loop of n calls first: in two peers runs ours_block's second timed loop was 20-35% slower
-    # than the others (the first loop to follow a full loop of n calls in flight), so the timed loops now start
-    # from that state.
-    run_n(n)
-    sync()
-    return time_loop(run_n, sync, n, reps)
 
 
 def build_ours(shapes: Shapes, tiny: bool, layers: int):
@@ -232,7 +208,8 @@ def jax_worker(args, shapes: Shapes, names: list[str]):
                 nn_ = 8192 if not args.tiny else 256
                 a = jax.random.normal(jax.random.key(1), (nn_, nn_), jnp.bfloat16)
                 f = jax.jit(lambda a: a @ a)
-                ms, per = _jax_bench(jax, f, (a,), n=max(n, 20) if not args.tiny else 2, reps=reps)
+                per = _jax_rounds(jax, [(name, f, (a,))], n=max(n, 20) if not args.tiny else 2, reps=reps)[name]
+                ms = statistics.median(per)
                 emit(args.results, name, ok=True, ms=ms, per_loop_ms=per, n=nn_,
                      extra=f"{2 * nn_ ** 3 / ms / 1e9:.0f} TFLOP/s", wall_s=time.perf_counter() - t_start)
             elif name in ("ours_block", "ours_2layer", "ours_block_grid_tiles"):

@@ -68,6 +68,10 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
     w_block = (cfg.cta_n, cfg.tile_k) if transpose_w else (cfg.tile_k, cfg.cta_n)
     chain = cfg.chain_items and k_iters % cfg.max_concurrent_steps == 0
 
+    def split_of(index, per_split):
+        """(K split, item within the split) of a linear item index; no index arithmetic when unsplit."""
+        return (index // per_split, index % per_split) if splits > 1 else (0, index)
+
     def pipeline(body, context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_iters,), memory_registers=40, wg_axis="wg",
@@ -95,7 +99,7 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
             _, row0, lo, count = (table_ref[i, slot] for i in range(4))
             wlo = jnp.clip(lo - wg_row0, 0, cfg.tile_m)
             whi = jnp.clip(lo + count - wg_row0, 0, cfg.tile_m)
-            store_rows(acc, out_smem.at[wg], out_gmem, ks * m + row0 + wg_row0,
+            store_rows(acc, out_smem.at[wg], out_gmem, (ks * m if splits > 1 else 0) + row0 + wg_row0,
                        ni * cfg.cta_n + wg_col0, cfg, rows=(wlo, whi - wlo), zeros_staged=zeros_staged)
 
         def mma(_, x_smem, w_smem, acc_ref):
@@ -107,7 +111,7 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
         @plgpu.nd_loop((num_compute * n_iters * splits,), collective_axes="sm")
         def _compute_items(info):
             # the splits outermost: the items running at a time are one split's, in the usual snake order
-            ks, item = info.index[0] // (num_compute * n_iters), info.index[0] % (num_compute * n_iters)
+            ks, item = split_of(info.index[0], num_compute * n_iters)
             slot, ni = plgpu.planar_snake(item, (num_compute, n_iters), cfg.grid_minor, cfg.grid_tile_width)
             seg, row0 = table_ref[0, slot], pl.multiple_of(table_ref[1, slot], ROW_ALIGN)
 
@@ -142,7 +146,7 @@ def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: G
         def _tail_items(info):
             @pl.when(wg < NUM_COMPUTE_WGS)
             def _():
-                ks, item = info.index[0] // (num_tail * n_iters), info.index[0] % (num_tail * n_iters)
+                ks, item = split_of(info.index[0], num_tail * n_iters)
                 store(None, num_compute + item // n_iters, item % n_iters, ks, zeros_staged=True)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

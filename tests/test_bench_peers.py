@@ -131,3 +131,19 @@ def test_plot(tmp_path):
     assert [b[0] for b in plot_peers.bars(doc)] == ["ours_block", "stock_bound", "torchtitan_block"]
     path = plot_peers.plot(doc, str(tmp_path / "p.png"))
     assert os.path.getsize(path) > 0
+
+
+def test_tiny_jax_worker_times_the_block_variants_round_by_round(tmp_path):
+    """The JAX worker end to end on the CPU (tiny shapes, xla kernels): the dense GEMM and the three block
+    variants of jax-core all come back measured, the blocks from one set of timing rounds."""
+    out = tmp_path / "peers.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # one CPU device, as a user runs it
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_peers.py"), "--tiny", "--only",
+                    "jax_dense_gemm,ours_block,ours_block_grid_tiles,stock_bound", "--out", str(out)],
+                   cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=300)
+    variants = json.loads(out.read_text())["variants"]
+    blocks = ["ours_block", "stock_bound", "ours_block_grid_tiles"]
+    for name in ["jax_dense_gemm", *blocks]:
+        assert variants[name]["ok"], (name, variants[name].get("error"))
+        assert variants[name]["ms"] > 0 and len(variants[name]["per_loop_ms"]) == 2
+    assert all(sorted(variants[b]["timed_with"]) == sorted(blocks) for b in blocks)
