@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.grouped_gemm_cases import ROUTINGS, SUITES, build_cases, print_cases  # noqa: E402
-from benchmarks.grouped_gemm_jax_timing import (TIMING, fwd_bwd, jax_impls, measure_case,  # noqa: E402
+from benchmarks.grouped_gemm_jax_timing import (TIMING, fwd_bwd, hbm_copy_gbps, jax_impls, measure_case,  # noqa: E402
                                                 past_deadline)
 from benchmarks.grouped_gemm_report import environment, finalize_row, markdown_table, save_json  # noqa: E402
 from benchmarks.grouped_gemm_torch import merge_torch, run_torch  # noqa: E402
@@ -92,6 +92,7 @@ def main():
     print_cases(cases, args)
     torch_res, torch_env = run_torch(cases, args.torch_timeout_s) if args.torch else ({}, {})
     args.environment = environment(torch_env)
+    args.environment["hbm_copy_gbps"] = None if args.interpret else hbm_copy_gbps()
     print(args.environment, flush=True)
     results = []
     by_shape = collections.OrderedDict()
@@ -117,7 +118,7 @@ def main():
             save_json(args, results)
         del x, w, dy, impls
     save_json(args, results)
-    table = markdown_table([finalize_row(r) for r in results], args.environment)
+    table = markdown_table([finalize_row(r, args.environment["hbm_copy_gbps"]) for r in results], args.environment)
     md_path = args.out.rsplit(".", 1)[0] + ".md"
     with open(md_path, "w") as f:
         f.write(table + "\n")

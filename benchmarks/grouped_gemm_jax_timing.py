@@ -60,6 +60,14 @@ def time_call(fn, *args, min_total_s=None, loops=None, min_iters=None):
     return statistics.median(times), out
 
 
+def hbm_copy_gbps(elems=1 << 30):
+    """HBM bandwidth as one elementwise pass over a 2 GiB bf16 buffer measures it (read + write), GB/s: the
+    rate the table's HBM floor is charged at (an XLA fusion's pace, not the data sheet's 4.8 TB/s)."""
+    a = jnp.zeros((elems,), jnp.bfloat16)
+    t, _ = time_call(jax.jit(lambda a: a + jnp.bfloat16(1)), a)
+    return round(2 * a.nbytes / t / 1e9, 1)
+
+
 def time_rounds(variants, min_total_s=None, loops=None, min_iters=None):
     """Several variants of one problem timed round by round: {label: median seconds per call}.
 

@@ -16,8 +16,23 @@ def _ratio(a, b):
     return round(a / b, 3) if a is not None and b else None
 
 
-def finalize_row(row):
+def hbm_floor_bytes(row):
+    """The least HBM traffic of one forward call: every non-empty group's weight once, the routed rows of x
+    once, the whole output once (its zero tail included). Fine-grained experts reach it: Qwen3 EP1 reads 403 MB
+    of weights per call whatever the routing, as much as its x and output together."""
+    active = sum(1 for s in row["group_sizes"] if s > 0)
+    return 2 * (active * row["K"] * row["N"] + row["useful_rows"] * row["K"] + row["M"] * row["N"])
+
+
+def finalize_row(row, hbm_gbps=None):
+    """Ratios and verdicts; with `hbm_gbps` (an elementwise pass's bandwidth, same process) also the forward's
+    HBM floor (hbm_floor_bytes at that bandwidth) and its share of our forward time."""
     t = row["tflops"]
+    if hbm_gbps:
+        floor_ms = hbm_floor_bytes(row) / (hbm_gbps * 1e9) * 1e3
+        ours_ms = row["ms"].get("ours/fwd")
+        row["hbm_floor"] = dict(bytes=hbm_floor_bytes(row), ms_fwd=round(floor_ms, 4),
+                                share_of_ours_fwd=_ratio(floor_ms, ours_ms))
     ours = {kd: t.get(f"ours/{kd}") for kd in ("fwd", "fwd+bwd")}
     row["ratios"] = {f"ours/{base}/{kd}": _ratio(ours[kd], t.get(f"{base}/{kd}"))
                      for base in ("torch_grouped_mm", "dense_same_flops") for kd in ("fwd", "fwd+bwd")}
@@ -39,7 +54,7 @@ def summary(results):
 
 
 def save_json(args, results):
-    results = [finalize_row(r) for r in results]
+    results = [finalize_row(r, args.environment.get("hbm_copy_gbps")) for r in results]
     env = dict(args.environment, elapsed_s=round(time.perf_counter() - args.t_start, 1))
     with open(args.out, "w") as f:
         json.dump(dict(environment=env, suite=args.suite, mode=None if args.suite else args.mode,
@@ -62,12 +77,14 @@ def _ok(v):
 def markdown_table(results, env):
     head = ("| shape | routing | M | K | N | G | useful rows | fwd ours | fwd torch | fwd dense | fwd dense (torch) "
             "| ours/torch | ours/dense | f+b ours | f+b torch | f+b dense | ours/torch | ours/dense | >= torch "
-            "| >= 0.9 dense fwd |")
+            "| >= 0.9 dense fwd | fwd HBM floor ms | floor / ours fwd |")
     lines = [f"Grouped GEMM, bf16, TFLOP/s of useful FLOPs ({env.get('device')}, jax {env.get('jax')}, "
              f"torch {env.get('torch')}); ours = Pallas Mosaic GPU kernel, default tuning; torch = "
              "torch._grouped_mm; dense = one GEMM of the same FLOPs (in the JAX process; 'dense (torch)': the "
              "same GEMM in the torch process, which runs first: where the two dense columns differ, the "
-             "processes did not run the GPU at the same pace)", "", head,
+             "processes did not run the GPU at the same pace); HBM floor = the least bytes of a forward call "
+             "(non-empty groups' weights, routed x rows, the whole output) at the bandwidth of one elementwise pass "
+             f"in the JAX process ({env.get('hbm_copy_gbps') or '-'} GB/s)", "", head,
              "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         t, q, v = r["tflops"], r["ratios"], r["verdict"]
@@ -77,7 +94,9 @@ def markdown_table(results, env):
                       _fmt(t.get(f"dense_same_flops/{kd}"))]
             cells += [_fmt(t.get("torch_dense_same_flops/fwd"))] if kd == "fwd" else []
             cells += [_fmt(q[f"ours/torch_grouped_mm/{kd}"], True), _fmt(q[f"ours/dense_same_flops/{kd}"], True)]
-        cells += [_ok(v["ours>=torch_grouped_mm"]), _ok(v["ours>=0.9x_dense_fwd"])]
+        floor = r.get("hbm_floor") or {}
+        cells += [_ok(v["ours>=torch_grouped_mm"]), _ok(v["ours>=0.9x_dense_fwd"]), _fmt(floor.get("ms_fwd")),
+                  _fmt(floor.get("share_of_ours_fwd"), True)]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     s = summary(results)
     for key in ("ours>=torch_grouped_mm", "ours>=0.9x_dense_fwd"):

@@ -60,7 +60,27 @@ def test_ratios_verdicts_and_table():
     assert s["ours>=torch_grouped_mm"]["failing"] == ["s/uniform"] and s["ours>=0.9x_dense_fwd"]["all_rows_pass"]
     table = report.markdown_table([row], {"device": "cpu"})
     assert "| s | uniform | 8 | 8 | 8 | 1 | 8 | 500 | 400 | 540 | - | 1.25 | 0.93 |" in table   # no torch dense
+    assert table.splitlines()[4].endswith("| NO | yes | - | - |")   # no HBM bandwidth given: no floor
     assert "ours>=torch_grouped_mm: FAIL; failing ['s/uniform']" in table
+
+
+def test_hbm_floor_counts_non_empty_groups_routed_rows_and_the_whole_output():
+    """Qwen3 EP1 padded: 128 non-empty weights of 2048 x 768, 32768 routed rows, 65536 output rows (half of them
+    the zero tail); an empty group's weight is never read."""
+    row = dict(shape="q", routing="padded", M=65536, K=2048, N=768, G=128, useful_rows=32768,
+               group_sizes=[256] * 128, ratios={}, verdict={}, tflops={"ours/fwd": 490.0}, ms={"ours/fwd": 0.21})
+    want = 2 * (128 * 2048 * 768 + 32768 * 2048 + 65536 * 768)
+    assert report.hbm_floor_bytes(row) == want == 637_534_208
+    report.finalize_row(row, hbm_gbps=3500.0)
+    assert row["hbm_floor"] == dict(bytes=want, ms_fwd=round(want / 3.5e12 * 1e3, 4),
+                                    share_of_ours_fwd=round(want / 3.5e12 * 1e3 / 0.21, 3))
+    assert 0.86 < row["hbm_floor"]["share_of_ours_fwd"] < 0.87
+    half = dict(row, group_sizes=[512, 0] * 64)
+    assert report.hbm_floor_bytes(half) == want - 2 * 64 * 2048 * 768
+    table = report.markdown_table([row], {"device": "gpu", "hbm_copy_gbps": 3500.0})
+    assert table.splitlines()[-5].endswith("| 0.182 | 0.87 |") and "(3500.0 GB/s)" in table
+    report.finalize_row(no_bw := dict(row, hbm_floor=None))
+    assert no_bw["hbm_floor"] is None   # no bandwidth measured (the interpreter): no floor
 
 
 def test_tiny_interpret_run_writes_json_and_markdown(tmp_path):
