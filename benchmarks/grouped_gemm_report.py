@@ -29,10 +29,10 @@ def finalize_row(row, hbm_gbps=None):
     HBM floor (hbm_floor_bytes at that bandwidth) and its share of our forward time."""
     t = row["tflops"]
     if hbm_gbps:
-        floor_ms = hbm_floor_bytes(row) / (hbm_gbps * 1e9) * 1e3
-        ours_ms = row["ms"].get("ours/fwd")
-        row["hbm_floor"] = dict(bytes=hbm_floor_bytes(row), ms_fwd=round(floor_ms, 4),
-                                share_of_ours_fwd=_ratio(floor_ms, ours_ms))
+        floor_bytes = hbm_floor_bytes(row)
+        floor_ms = floor_bytes / (hbm_gbps * 1e9) * 1e3
+        row["hbm_floor"] = dict(bytes=floor_bytes, ms_fwd=round(floor_ms, 4),
+                                share_of_ours_fwd=_ratio(floor_ms, row["ms"].get("ours/fwd")))
     ours = {kd: t.get(f"ours/{kd}") for kd in ("fwd", "fwd+bwd")}
     row["ratios"] = {f"ours/{base}/{kd}": _ratio(ours[kd], t.get(f"{base}/{kd}"))
                      for base in ("torch_grouped_mm", "dense_same_flops") for kd in ("fwd", "fwd+bwd")}
