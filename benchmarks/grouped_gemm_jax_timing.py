@@ -288,7 +288,7 @@ def measure_case(case, x, w, dy, impls, args, results, torch_res):
             print(f"  {name} {routing} timing rounds FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         save_json(args, results + [row])
     cache_dense(row, case, dense_key)
-    if args.sweep and (name.startswith("goal") or args.suite) and routing in ("uniform", "half_empty"):
+    if args.sweep and (name.startswith("goal") or args.suite) and routing in ("uniform", "half_empty", "padded"):
         for cfg in sweep_tilings(n, k):
             tuning = dataclasses.replace(default_tuning(m, k, n, g), fwd=cfg)
             f = jax.jit(lambda x, w, gs, t=tuning: grouped_gemm(x, w, gs, tuning=t, interpret=args.interpret))
@@ -388,6 +388,9 @@ def sweep_tilings(n, k):
                 dict(wg_split="m", tile_m=64, tile_n=256), dict(wg_split="m", tile_m=64, tile_n=256, chain_items=True),
                 dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2),
                 dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2, chain_items=True),
+                # 128-row CTAs (128 x 128: two m64n128 warpgroups, or two m128n64 side by side): half the
+                # rows of the 256-row tiles that N = 1408 (DeepSeekMoE) falls back to, for groups of few rows
+                dict(wg_split="m", tile_m=64, chain_items=True), dict(tile_n=64, chain_items=True),
                 # the reduction split in 2 / 4 (fp32 partials, summed after): more items where tiles are few
                 dict(split_k=2, chain_items=True), dict(split_k=4, chain_items=True)]
     out = []

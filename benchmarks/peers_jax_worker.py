@@ -21,13 +21,15 @@ def _jax_setup(tiny: bool):
     return jax
 
 
-def build_ours(shapes: Shapes, tiny: bool, layers: int):
-    """This project's Block(s) and a jitted grad of a scalar of y w.r.t. params and x."""
+def build_ours(shapes: Shapes, tiny: bool, layers: int, swiglu: str = "separate"):
+    """This project's Block(s) and a jitted grad of a scalar of y w.r.t. params and x; `swiglu` the
+    kernels.swiglu choice, resolved as the model's build resolves it (no remat here)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from megascale_jax.config import default_config
+    from megascale_jax.model.moe.experts import resolve_swiglu
     from megascale_jax.model.transformer import Block, Kernels
     from megascale_jax.parallel.layouts import local_layout
 
@@ -42,7 +44,9 @@ def build_ours(shapes: Shapes, tiny: bool, layers: int):
     assert (m.hidden, m.num_heads, m.num_kv_heads, m.moe.expert_ffn, m.moe.num_experts, m.moe.top_k) == (
         shapes.hidden, shapes.heads, shapes.kv_heads, shapes.ffn, shapes.experts, shapes.top_k), m
     on_gpu = jax.default_backend() == "gpu"
-    kernels = Kernels(attention="cudnn", grouped_gemm="pallas") if on_gpu else Kernels("xla", "xla")
+    gemm = "pallas" if on_gpu else "xla"
+    kernels = Kernels(attention="cudnn" if on_gpu else "xla", grouped_gemm=gemm,
+                      swiglu=resolve_swiglu(swiglu, grouped_gemm=gemm, ffn=shapes.ffn, remat="none", macro_layer=False))
     layout = local_layout(num_experts=m.moe.num_experts)
     blocks = [Block(m, moe=True, param_dtype=jnp.bfloat16, kernels=kernels, rngs=nnx.Rngs(i))
               for i in range(layers)]
@@ -212,10 +216,12 @@ def jax_worker(args, shapes: Shapes, names: list[str]):
                 ms = statistics.median(per)
                 emit(args.results, name, ok=True, ms=ms, per_loop_ms=per, n=nn_,
                      extra=f"{2 * nn_ ** 3 / ms / 1e9:.0f} TFLOP/s", wall_s=time.perf_counter() - t_start)
-            elif name in ("ours_block", "ours_2layer", "ours_block_grid_tiles"):
+            elif name in ("ours_block", "ours_2layer", "ours_block_grid_tiles", "ours_block_separate_swiglu",
+                          "ours_block_fused_swiglu"):
                 layers = 2 if name == "ours_2layer" else 1
+                swiglu = name.rsplit("_", 2)[1] if name.endswith("_swiglu") else "separate"
                 with _row_tiles("grid" if name == "ours_block_grid_tiles" else None):
-                    grad, params, kernels = build_ours(shapes, args.tiny, layers)
+                    grad, params, kernels = build_ours(shapes, args.tiny, layers, swiglu)
                     x = jnp.asarray(x_np, jnp.bfloat16)
                     # compiled under the tiles asked for; the Compiled object cannot retrace outside the context
                     compiled = grad.lower(params, x).compile()

@@ -80,6 +80,7 @@ def get_config() -> ConfigDict:
 
     c.kernels = ConfigDict()          # resolved once when the model is built (megascale_jax/step.py)
     c.kernels.grouped_gemm = "auto"   # xla (lax.ragged_dot) | pallas (Mosaic GPU kernel) | auto
+    c.kernels.swiglu = "separate"     # separate | fused (first expert GEMMs + SwiGLU in one kernel; not faster yet)
     c.kernels.attention = "auto"      # xla | cudnn | auto (cudnn on GPU with bf16)
 
     c.train = ConfigDict()

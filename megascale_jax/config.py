@@ -84,6 +84,7 @@ class ParallelConfig:
 class KernelConfig:
     grouped_gemm: str
     attention: str
+    swiglu: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,14 +32,14 @@ from megascale_jax import gradients
 from megascale_jax.config import Config, DType
 from megascale_jax.config_checks import ConfigError
 from megascale_jax.model.attention import resolve_attention_impl
-from megascale_jax.model.moe.experts import resolve_grouped_gemm
+from megascale_jax.model.moe.experts import resolve_grouped_gemm, resolve_swiglu
 from megascale_jax.model.transformer import Kernels, Transformer
 from megascale_jax.optim import NonFinite, clip_by_norm, flat_decay_mask, learning_rate_schedule, \
     make_flat_optimizer, make_optimizer
 from megascale_jax.parallel import grad_comm
 from megascale_jax.parallel.collectives import varying_axes
 from megascale_jax.parallel.layouts import Layout, make_layout
-from megascale_jax.parallel.plan import DATA, INTRA, PIPE, FFNPlan, ParallelPlan, PlanKind
+from megascale_jax.parallel.plan import DATA, INTRA, PIPE, FFNPlan, MoELayer, ParallelPlan, PlanKind
 from megascale_jax.parallel.ring_attention import AttentionExchange
 from megascale_jax.parallel.zero import OptimizerSharding, Zero1
 
@@ -55,9 +55,15 @@ def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
     backend, compute = jax.default_backend(), DTYPES[cfg.train.compute_dtype]
     tp_experts = plan.kind == PlanKind.MANUAL and plan.ffn == FFNPlan.TP
     ffn = cfg.model.moe.expert_ffn // (plan.intra if tp_experts else 1)
+    grouped_gemm = resolve_grouped_gemm(cfg.kernels.grouped_gemm, backend=backend, dtype=compute,
+                                        dim=cfg.model.hidden, ffn=ffn)
+    try:
+        swiglu = resolve_swiglu(cfg.kernels.swiglu, grouped_gemm=grouped_gemm, ffn=ffn, remat=cfg.train.remat,
+                                macro_layer=cfg.parallel.moe_layer == MoELayer.MACRO)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return Kernels(attention=resolve_attention_impl(cfg.kernels.attention, backend=backend, compute_dtype=compute),
-                   grouped_gemm=resolve_grouped_gemm(cfg.kernels.grouped_gemm, backend=backend, dtype=compute,
-                                                     dim=cfg.model.hidden, ffn=ffn))
+                   grouped_gemm=grouped_gemm, swiglu=swiglu)
 
 
 def check_attention_exchange(cfg: Config) -> None:

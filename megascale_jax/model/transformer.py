@@ -76,9 +76,11 @@ REMAT_POLICIES = {
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """Resolved kernel implementations (never 'auto'): attention core and expert grouped GEMM."""
+    """Resolved kernel implementations (never 'auto'): attention core, expert grouped GEMM, and how the
+    experts' first GEMMs and SwiGLU run."""
     attention: str = "xla"        # model/attention.py AttentionImpl
     grouped_gemm: str = "xla"     # model/moe/experts.py GroupedGemmImpl
+    swiglu: str = "separate"      # model/moe/experts.py SwigluImpl
 
 
 class Block(nnx.Module):
@@ -91,7 +93,8 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(m.hidden, m.norm_eps, param_dtype)
         self.is_moe = moe
         if moe:
-            self.ffn = MoEFFN(m.hidden, m.moe, param_dtype, rngs, grouped_gemm=kernels.grouped_gemm)
+            self.ffn = MoEFFN(m.hidden, m.moe, param_dtype, rngs, grouped_gemm=kernels.grouped_gemm,
+                              swiglu=kernels.swiglu)
         else:
             self.ffn = DenseMLP(m.hidden, m.dense_ffn, param_dtype, rngs)
 

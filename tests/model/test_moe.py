@@ -108,3 +108,46 @@ def test_shared_expert_gate_scales_the_shared_output_per_token():
     x = jax.random.normal(jax.random.key(2), (6, 128), jnp.float32)
     np.testing.assert_allclose(np.asarray(gated.shared_output(x)), 0.5 * np.asarray(plain.shared_output(x)),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_fused_swiglu_layer_equals_the_separate_form(monkeypatch):
+    """kernels.swiglu='fused' (both first expert GEMMs and SwiGLU in one kernel, run here in the Pallas GPU
+    interpreter) gives the layer's output and gradients of the separate form (two GEMMs, then the activation)."""
+    import functools
+
+    import pallas_kernels.grouped_swiglu as gsw
+
+    interpreted = functools.partial(gsw.grouped_swiglu, interpret=True,
+                                    tiling=gsw.SwigluTiling(cols=64, tile_k=64, stages=2, num_sms=3))
+    monkeypatch.setattr(gsw, "grouped_swiglu", interpreted)
+    cfg = default_config("tiny_cpu", **{"model.hidden": 128, "model.moe.expert_ffn": 128, "model.moe.top_k": 2})
+    layout = local_layout(cfg.model.moe.num_experts)
+    x = jax.random.normal(jax.random.key(1), (2, 40, 128), jnp.float32).astype(jnp.bfloat16)
+    results = {}
+    for swiglu in ("separate", "fused"):
+        layer = MoEFFN(128, cfg.model.moe, jnp.bfloat16, nnx.Rngs(0), grouped_gemm="xla", swiglu=swiglu)
+        graph, params = nnx.split(layer, nnx.Param)
+
+        def loss(params, x, graph=graph):
+            y, _ = nnx.merge(graph, params)(x, layout)
+            return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+        (_, y), grads = jax.value_and_grad(loss, has_aux=True)(params, x)
+        results[swiglu] = (y, grads)
+    (y_sep, g_sep), (y_fused, g_fused) = results["separate"], results["fused"]
+    rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))  # noqa: E731
+    assert rel(y_fused, y_sep) < 1e-2
+    for (path, a), b in zip(jax.tree.leaves_with_path(g_fused), jax.tree.leaves(g_sep)):
+        assert rel(a, b) < 2e-2, jax.tree_util.keystr(path)
+
+
+def test_swiglu_choice_resolves_by_what_can_run():
+    from megascale_jax.model.moe.experts import resolve_swiglu
+
+    ok = dict(grouped_gemm="pallas", ffn=14336, remat="none", macro_layer=False)
+    assert resolve_swiglu("fused", **ok) == "fused" and resolve_swiglu("separate", **ok) == "separate"
+    for change, reason in [(dict(grouped_gemm="xla"), "kernels.grouped_gemm is 'xla'"), (dict(ffn=1400), "1400"),
+                           (dict(remat="selective"), "remat='selective'"), (dict(macro_layer=True), "macro")]:
+        assert resolve_swiglu("separate", **{**ok, **change}) == "separate"
+        with pytest.raises(ValueError, match=reason):
+            resolve_swiglu("fused", **{**ok, **change})

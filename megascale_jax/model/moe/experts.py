@@ -10,6 +10,10 @@ layer) can differentiate them, and a dispatcher can take the first (`expert_hidd
   xla     `jax.lax.ragged_dot` (on GPU a dense masked GEMM, ~97 TFLOP/s at the Mixtral shape on an H200;
           the reference everywhere);
   pallas  our Mosaic GPU kernel (pallas_kernels/grouped_gemm.py), same semantics.
+`swiglu` says how the first GEMMs and the activation run (`resolve_swiglu`, also once):
+  separate  two `gemm` calls, then silu(gate) * up (the twin; XLA fuses the activation into one pass);
+  fused     pallas_kernels/grouped_swiglu.py: both GEMMs and the activation in one kernel (no pass that
+            reads the two products back); its backward is the separate form's.
 """
 from __future__ import annotations
 
@@ -64,6 +68,37 @@ def grouped_gemm_fn(implementation: str) -> GroupedGemm:
                      f"xla, pallas (config.kernels.grouped_gemm; 'auto' is resolved by resolve_grouped_gemm).")
 
 
+class SwigluImpl(StrEnum):
+    """No 'auto': on the H200 the fused kernel has not beaten the separate form (bench_grouped_swiglu_h200.json:
+    Mixtral forward 6.13 vs 6.18 ms at its best tiles, fwd+bwd slower; the block 36.87 vs 36.39 ms), so it is
+    chosen by hand, where a user wants to measure it."""
+    SEPARATE = "separate"
+    FUSED = "fused"
+
+
+def swiglu_unsupported_reason(*, grouped_gemm: str, ffn: int, remat: str, macro_layer: bool) -> str | None:
+    """Why the fused first GEMMs + SwiGLU cannot (or should not) run for this model, or None. The fused op is
+    one custom VJP: under a remat policy that keeps the GEMM outputs by name ('selective') it would be rerun
+    whole (its GEMMs too) to get h back, and the macro layer writes its own backward from the separate calls."""
+    if grouped_gemm != GroupedGemmImpl.PALLAS:
+        return f"it is a Mosaic GPU kernel beside the pallas grouped GEMM, and kernels.grouped_gemm is {grouped_gemm!r}"
+    if ffn % 128:
+        return f"its tiles are 128 FFN columns wide and the per-device expert FFN is {ffn}"
+    if remat == "selective":
+        return "train.remat='selective' keeps the two GEMM outputs by name, which the fused op does not expose"
+    if macro_layer:
+        return "parallel.moe_layer='macro' writes the expert backward from the separate GEMM calls"
+    return None
+
+
+def resolve_swiglu(choice: str, **why) -> str:
+    """The choice, checked: 'fused' where `swiglu_unsupported_reason(**why)` names a reason is an error."""
+    reason = swiglu_unsupported_reason(**why)
+    if choice == SwigluImpl.FUSED and reason:
+        raise ValueError(f"config.kernels.swiglu='fused' cannot run here: {reason}; use 'separate'")
+    return SwigluImpl(choice).value
+
+
 GemmGrad = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
@@ -100,9 +135,14 @@ class ExpertWeights(NamedTuple):
     down_EFD: jax.Array
 
 
-def expert_hidden(x_MD, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm):
-    """The first expert GEMMs and the activation: silu(x @ gate_e) * (x @ up_e)."""
+def expert_hidden(x_MD, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm, swiglu: str = "separate"):
+    """The first expert GEMMs and the activation: silu(x @ gate_e) * (x @ up_e); `swiglu` a resolved
+    SwigluImpl ('fused': one kernel, `gemm` unused)."""
     dt = x_MD.dtype
+    if swiglu == SwigluImpl.FUSED:
+        from pallas_kernels.grouped_swiglu import grouped_swiglu
+
+        return grouped_swiglu(x_MD, weights.gate_EDF.astype(dt), weights.up_EDF.astype(dt), group_sizes_E)
     # Named for the selective remat policy (model/transformer.py): GEMM outputs are kept, the activation is not.
     gate = checkpoint_name(gemm(x_MD, weights.gate_EDF.astype(dt), group_sizes_E), "expert_gate")
     up = checkpoint_name(gemm(x_MD, weights.up_EDF.astype(dt), group_sizes_E), "expert_up")
@@ -115,10 +155,11 @@ def expert_output(h_MF, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm
     return checkpoint_name(out, "expert_out")
 
 
-def swiglu_experts(x_MD, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm):
+def swiglu_experts(x_MD, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm, swiglu: str = "separate"):
     """Rows of x sorted by (local) expert; `group_sizes` has one entry per expert held here; rows past
     sum(group_sizes) come out as zeros (xla) or unspecified (pallas) and are ignored by every combine."""
-    return expert_output(expert_hidden(x_MD, weights, group_sizes_E, gemm), weights, group_sizes_E, gemm)
+    h_MF = expert_hidden(x_MD, weights, group_sizes_E, gemm, swiglu)
+    return expert_output(h_MF, weights, group_sizes_E, gemm)
 
 
 class SwiGLUExperts(nnx.Module):

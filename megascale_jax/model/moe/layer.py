@@ -25,10 +25,12 @@ from megascale_jax.model.moe.router import ROUTERS
 
 
 class MoEFFN(nnx.Module):
-    def __init__(self, dim: int, moe_cfg, param_dtype, rngs: nnx.Rngs, *, grouped_gemm: str = "xla"):
-        """moe_cfg: a resolved MoEConfig (balance_group_size > 0). grouped_gemm: a resolved implementation."""
+    def __init__(self, dim: int, moe_cfg, param_dtype, rngs: nnx.Rngs, *, grouped_gemm: str = "xla",
+                 swiglu: str = "separate"):
+        """moe_cfg: a resolved MoEConfig (balance_group_size > 0). grouped_gemm, swiglu: resolved implementations
+        (model/moe/experts.py GroupedGemmImpl, SwigluImpl)."""
         e = moe_cfg
-        self.num_experts, self.grouped_gemm = e.num_experts, grouped_gemm
+        self.num_experts, self.grouped_gemm, self.swiglu = e.num_experts, grouped_gemm, swiglu
         self.router = ROUTERS[e.router_kind](dim, e.num_experts, e.top_k, e.renormalize, e.balance_group_size,
                                              rngs)
         self.experts = SwiGLUExperts(e.num_experts, dim, e.expert_ffn, param_dtype, rngs)
@@ -47,7 +49,7 @@ class MoEFFN(nnx.Module):
         with jax.named_scope("route"):
             routing = self.router(x_TD, layout.reductions.token_mean)
         gemm, weights = grouped_gemm_fn(self.grouped_gemm), self.experts.weights()
-        first = functools.partial(_first_gemm, weights=weights, gemm=gemm)
+        first = functools.partial(_first_gemm, weights=weights, gemm=gemm, swiglu=self.swiglu)
         last = functools.partial(_last_gemm, weights=weights, gemm=gemm)
         h_MF, group_sizes, residual = layout.ffn.first_gemm_dispatch(x_TD, routing, first)   # dispatch, experts
         y_TD = layout.ffn.last_gemm_combine(h_MF, group_sizes, residual, routing.weight_TK, last)  # experts, combine
@@ -75,8 +77,8 @@ def gate_shared_output(x_TD, w_gate_D1, y_TD):
     return (jax.nn.sigmoid(logit_T1) * y_TD.astype(jnp.float32)).astype(y_TD.dtype)
 
 
-def _first_gemm(x_MD, group_sizes, *, weights, gemm):
-    return expert_hidden(x_MD, weights, group_sizes, gemm)
+def _first_gemm(x_MD, group_sizes, *, weights, gemm, swiglu):
+    return expert_hidden(x_MD, weights, group_sizes, gemm, swiglu)
 
 
 def _last_gemm(h_MF, group_sizes, *, weights, gemm):
