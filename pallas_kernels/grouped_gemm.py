@@ -5,7 +5,8 @@ rows [sum(sizes[:g]), sum(sizes[:g+1])), rows past sum(group_sizes) come out as 
 size past M is cut at M exactly as ragged_dot cuts it (those rows do not exist).
 
 Two kernel bodies (three launches), one persistent warp-specialised design (1 TMA warpgroup, 2 wgmma):
-  * `_ragged_kernel`      forward and input gradient: work items are (row tile of one group, column tile);
+  * `ragged_kernel`       forward and input gradient (in _ragged_body.py, shared with the fused EP dispatch
+                          kernel all_gather_grouped_gemm.py): work items are (row tile of one group, column tile);
                           a group's tiles start at its first row rounded down to a multiple of 8
                           (`row_tiles='group'`; or on one grid over all rows, a straddling tile computed once
                           per group), and each item stores only its group's rows (TMA stores of 2^i rows, a
@@ -32,7 +33,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedGemmTuning, check_dtypes,
                                            check_group_sizes, check_tiling, check_tuning_enums, default_kernel_tuning,
                                            default_tuning, epilogue_smem, fit_ragged_tiling, fit_smem, mask_token_rows,
-                                           sm_count, stage_zeros, store_rows, swizzle_transforms, warpgroup_tile)
+                                           sm_count, store_rows, swizzle_transforms, warpgroup_tile)
+from pallas_kernels._ragged_body import ragged_kernel
 from pallas_kernels._work_tables import ROW_ALIGN, cut_group_sizes, row_tile_table, token_block_table
 from pallas_kernels.grouped_gemm_reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
                                                    grouped_gemm_wgrad_reference)
@@ -46,112 +48,6 @@ __all__ = ["GemmTiling", "GroupedGemmTuning", "default_tuning", "unsupported_rea
 # ----------------------------------------------------------------------------------------------------
 # Kernel bodies
 # ----------------------------------------------------------------------------------------------------
-def _ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: GemmTiling,
-                   transpose_w: bool):
-    """out[rows of g] = x[rows of g] @ (w[g]ᵀ if transpose_w else w[g]); w is [G, K, N] or [G, N, K].
-
-    Each SM runs its compute work items first, then its zero-tail items. With `cfg.chain_items` the
-    compute items' K pipelines are chained (pipeline_state START / STEADY / STOP): the TMA warpgroup runs
-    ahead into the next item's loads while the compute warpgroups store this item's tile, so the epilogue
-    and the pipeline fill are hidden (they are a large share of an item when K is short: fine-grained
-    experts). Without it each item's pipeline fills and drains on its own.
-
-    With `cfg.split_k` = S > 1 every work item is S items, each over one S-th of K, storing an fp32 partial at
-    rows ks * M of out_gmem [S * M, N] (the tail's zeros in every partial); the launcher sums them."""
-    m, k = x_gmem.shape
-    n = out_gmem.shape[1]
-    splits = cfg.split_k
-    n_iters = n // cfg.cta_n
-    k_span = k // splits          # the reduction each item runs over
-    k_iters = k_span // cfg.tile_k
-    in_tf = swizzle_transforms(cfg.tile_k, x_gmem.dtype)
-    w_block = (cfg.cta_n, cfg.tile_k) if transpose_w else (cfg.tile_k, cfg.cta_n)
-    chain = cfg.chain_items and k_iters % cfg.max_concurrent_steps == 0
-
-    def split_of(index, per_split):
-        """(K split, item within the split) of a linear item index; no index arithmetic when unsplit."""
-        return (index // per_split, index % per_split) if splits > 1 else (0, index)
-
-    def pipeline(body, context, state=None):
-        return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k_iters,), memory_registers=40, wg_axis="wg",
-            num_compute_wgs=NUM_COMPUTE_WGS, max_concurrent_steps=cfg.max_concurrent_steps,
-            compute_context=context, pipeline_state=state,
-            in_specs=[
-                plgpu.BlockSpec((cfg.cta_m, cfg.tile_k), lambda kk: (0, kk), transforms=in_tf),
-                plgpu.BlockSpec(w_block, (lambda kk: (0, kk)) if transpose_w else (lambda kk: (kk, 0)),
-                                transforms=in_tf),
-            ])
-
-    ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
-    w_shape_ref = w_gmem.at[0, :cfg.cta_n, :k_span] if transpose_w else w_gmem.at[0, :k_span, :cfg.cta_n]
-    allocs = pipeline(ignore, ignore).get_allocations(x_gmem.at[:cfg.cta_m, :k_span], w_shape_ref)
-
-    @functools.partial(pl.run_scoped, allocs=allocs, collective_axes="wg",
-                       out_smem=epilogue_smem(cfg, out_gmem.dtype))
-    def _scope(allocs, out_smem):
-        wg = lax.axis_index("wg")
-        num_compute, num_tail = num_valid_ref[0], num_valid_ref[1]
-        wg_m, wg_n, wg_row0, wg_col0 = warpgroup_tile(cfg, wg)
-
-        def store(acc, slot, ni, ks, zeros_staged=False):
-            """This warpgroup's part of work item (slot, ni) of K split ks: acc (fp32) or zeros (acc None)."""
-            _, row0, lo, count = (table_ref[i, slot] for i in range(4))
-            wlo = jnp.clip(lo - wg_row0, 0, cfg.tile_m)
-            whi = jnp.clip(lo + count - wg_row0, 0, cfg.tile_m)
-            store_rows(acc, out_smem.at[wg], out_gmem, (ks * m if splits > 1 else 0) + row0 + wg_row0,
-                       ni * cfg.cta_n + wg_col0, cfg, rows=(wlo, whi - wlo), zeros_staged=zeros_staged)
-
-        def mma(_, x_smem, w_smem, acc_ref):
-            w_op = w_smem.at[wg_n, :].transpose((1, 0)) if transpose_w else w_smem.at[:, wg_n]
-            plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_op)
-            plgpu.wgmma_wait(0)
-            return acc_ref
-
-        @plgpu.nd_loop((num_compute * n_iters * splits,), collective_axes="sm")
-        def _compute_items(info):
-            # the splits outermost: the items running at a time are one split's, in the usual snake order
-            ks, item = split_of(info.index[0], num_compute * n_iters)
-            slot, ni = plgpu.planar_snake(item, (num_compute, n_iters), cfg.grid_minor, cfg.grid_tile_width)
-            seg, row0 = table_ref[0, slot], pl.multiple_of(table_ref[1, slot], ROW_ALIGN)
-
-            def context(eval_pipeline):
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
-                def _acc(acc_ref):
-                    eval_pipeline(acc_ref)
-                    store(acc_ref[...], slot, ni, ks)
-
-            k_part = pl.ds(pl.multiple_of(ks * k_span, cfg.tile_k), k_span) if splits > 1 else slice(None)
-            x_tile = x_gmem.at[pl.ds(row0, cfg.cta_m), k_part]   # the table keeps every tile inside [0, M)
-            w_cols = pl.ds(ni * cfg.cta_n, cfg.cta_n)
-            w_tile = w_gmem.at[seg].at[w_cols, k_part] if transpose_w else w_gmem.at[seg].at[k_part, w_cols]
-            if not chain:
-                pipeline(mma, context)(x_tile, w_tile, allocations=allocs)
-                return
-            first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
-            state = jnp.where(first, int(plgpu.PipelinePipeline.START),
-                              jnp.where(last, int(plgpu.PipelinePipeline.STOP),
-                                        int(plgpu.PipelinePipeline.STEADY)))
-            # one item on this SM: a plain pipeline (it both fills and drains)
-            pl.when(first & last)(lambda: pipeline(mma, context)(x_tile, w_tile, allocations=allocs))
-            pl.when(jnp.logical_not(first & last))(
-                lambda: pipeline(mma, context, state)(x_tile, w_tile, allocations=allocs))
-
-        # The zero tail (rows past sum(group_sizes)) is stored straight from zeros: no loads, no MMA, so an
-        # expert-parallel receive buffer's unused rows cost one write. The staging SMEM is zeroed once, after
-        # this SM's last compute item, and every tail store reads it with no wait between them.
-        pl.when((wg < NUM_COMPUTE_WGS) & (num_tail > 0))(lambda: stage_zeros(out_smem.at[wg]))
-
-        @plgpu.nd_loop((num_tail * n_iters * splits,), collective_axes="sm")
-        def _tail_items(info):
-            @pl.when(wg < NUM_COMPUTE_WGS)
-            def _():
-                ks, item = split_of(info.index[0], num_tail * n_iters)
-                store(None, num_compute + item // n_iters, item % n_iters, ks, zeros_staged=True)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
 def _weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTiling):
     """dw[g] = x[rows of g]ᵀ @ dy[rows of g]; tile_m runs over K, tile_n over N, tile_k over tokens."""
     num_groups, k, n = dw_gmem.shape
@@ -236,7 +132,7 @@ def ragged_launch(x, w, table, num_valid, out_dtype, cfg, transpose_w, num_sms, 
     """The forward / input-gradient kernel alone, on work tables made by `row_tile_table` (cfg fitted by
     `fit_ragged_tiling`, its cta_m the tables' tile)."""
     n = w.shape[1] if transpose_w else w.shape[2]
-    body = functools.partial(_ragged_kernel, cfg=cfg, transpose_w=transpose_w)
+    body = functools.partial(ragged_kernel, cfg=cfg, transpose_w=transpose_w)
     if cfg.split_k == 1:
         return _launch(body, (x.shape[0], n), out_dtype, num_sms, interpret, table, num_valid, x, w)
     partials = _launch(body, (cfg.split_k * x.shape[0], n), jnp.float32, num_sms, interpret, table, num_valid, x, w)
