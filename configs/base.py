@@ -72,6 +72,9 @@ def get_config() -> ConfigDict:
     # moe_layer='fused' with SP attention: its GEMM+A2A as ring (ppermute steps) | mosaic (one Mosaic GPU kernel
     # storing each tile into its destination; bf16 on GPU; not yet run on several GPUs, so never chosen for you)
     c.parallel.attention_exchange = "ring"
+    # moe_layer=fused with ep_dispatch=all_gather: how the dispatch's rows move: ring | runs ((expert, source)-
+    # ordered runs, one all-to-all) | mosaic (runs pushed under the first expert GEMM, one kernel; GPU)
+    c.parallel.dispatch_exchange = "ring"
     # none: optimizer state sharded like the parameters. zero1: optimizer state sharded over `data`.
     c.parallel.optimizer_sharding = "none"
     # Data-parallel gradient exchange: fp32 (compiler all-reduce / reduce-scatter) | bf16 | fp8 on the wire,

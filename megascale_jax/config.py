@@ -76,6 +76,7 @@ class ParallelConfig:
     moe_layer: str
     overlap_chunks: int
     attention_exchange: str
+    dispatch_exchange: str
     optimizer_sharding: str
     grad_comm: str
 

@@ -19,6 +19,7 @@ from megascale_jax.model.transformer import Remat
 from megascale_jax.optim import NonFinite
 from megascale_jax.parallel.grad_comm import GradComm
 from megascale_jax.parallel.pipeline_schedules import Schedule, validate_schedule_args
+from megascale_jax.parallel.expert_runs import DispatchExchange
 from megascale_jax.parallel.ring_attention import AttentionExchange
 from megascale_jax.parallel.plan import AttentionPlan, DispatchDType, EPDispatch, FFNPlan, MoELayer, PlanKind
 from megascale_jax.parallel.zero import OptimizerSharding
@@ -48,6 +49,7 @@ CHOICES = {
     "kernels.grouped_gemm": _values(GroupedGemmImpl), "kernels.attention": _values(AttentionImpl),
     "kernels.swiglu": _values(SwigluImpl),
     "parallel.attention_exchange": _values(AttentionExchange),
+    "parallel.dispatch_exchange": _values(DispatchExchange),
     "model.attention_kind": _values(AttentionKind), "model.moe.router_kind": _values(RouterKind),
     "train.remat": _values(Remat), "train.nonfinite": _values(NonFinite), "train.param_dtype": _values(DType), "train.compute_dtype": _values(DType),
     "data.source": tuple(data_lib.SOURCE_KINDS), "data.dtype": tuple(data_lib.TOKEN_FILE_DTYPES),
@@ -215,6 +217,9 @@ def _validate_moe_layer(cfg) -> None:
                                                                p.attention == AttentionPlan.SP),
            f"config.parallel.attention_exchange={p.attention_exchange!r} moves the fused schedule's GEMM+A2A and A2A+GEMM: it "
            "needs parallel.moe_layer='fused' with attention='sp'; set it to 'ring' otherwise.")
+    _check(p.dispatch_exchange == DispatchExchange.RING or p.moe_layer == MoELayer.FUSED,
+           f"config.parallel.dispatch_exchange={p.dispatch_exchange!r} moves the fused schedule's dispatch rows: it "
+           "needs parallel.moe_layer='fused' (with ep_dispatch='all_gather'); set it to 'ring' otherwise.")
     if p.attention_exchange == AttentionExchange.MOSAIC:   # the kernels' tiles (gemm_all_to_all.py, all_to_all_gemm.py)
         t, m = cfg.train, cfg.model
         rows = t.global_batch // max(p.data * t.microbatches, 1) * t.seq_len // p.intra

@@ -38,6 +38,7 @@ from megascale_jax.optim import NonFinite, clip_by_norm, flat_decay_mask, learni
     make_flat_optimizer, make_optimizer
 from megascale_jax.parallel import grad_comm
 from megascale_jax.parallel.collectives import varying_axes
+from megascale_jax.parallel.expert_runs import DispatchExchange
 from megascale_jax.parallel.layouts import Layout, make_layout
 from megascale_jax.parallel.plan import DATA, INTRA, PIPE, FFNPlan, MoELayer, ParallelPlan, PlanKind
 from megascale_jax.parallel.ring_attention import AttentionExchange
@@ -70,6 +71,9 @@ def check_attention_exchange(cfg: Config) -> None:
     """parallel.attention_exchange='mosaic' is a Mosaic GPU kernel: it needs a GPU backend and 16-bit compute,
     which only the build (not the config check) can see."""
     backend, compute = jax.default_backend(), DTYPES[cfg.train.compute_dtype]
+    if cfg.parallel.dispatch_exchange == DispatchExchange.MOSAIC and (backend != "gpu" or compute != jnp.bfloat16):
+        raise ConfigError(f"config.parallel.dispatch_exchange='mosaic' is a Mosaic GPU kernel for bf16 compute; this "
+                          f"run has backend {backend!r} and compute_dtype {cfg.train.compute_dtype!r}: use 'runs'")
     if cfg.parallel.attention_exchange == AttentionExchange.MOSAIC and (backend != "gpu" or compute != jnp.bfloat16):
         raise ConfigError(f"config.parallel.attention_exchange='mosaic' is a Mosaic GPU kernel for bf16 compute; "
                           f"this run has backend {backend!r} and compute_dtype {cfg.train.compute_dtype!r}: use 'ring'")
@@ -218,7 +222,8 @@ def build(cfg: Config, devices=None) -> Trainer:
     layout = make_layout(plan, num_heads=cfg.model.num_heads, num_experts=cfg.model.moe.num_experts,
                          moe_layer=cfg.parallel.moe_layer, remat=cfg.train.remat,
                          overlap_chunks=cfg.parallel.overlap_chunks,
-                         attention_exchange=cfg.parallel.attention_exchange)
+                         attention_exchange=cfg.parallel.attention_exchange,
+                         dispatch_exchange=cfg.parallel.dispatch_exchange)
     return Trainer(cfg, plan, mesh, kernels, graphdef, layout, updater, shardings, abstract)
 
 

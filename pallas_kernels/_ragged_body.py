@@ -41,7 +41,8 @@ def _cta_loop(num_items, ctas):
 
     def decorator(body):
         mine = lax.axis_index("sm") - first
-        upper = jnp.maximum((num_items - mine + count - 1) // count, 0)
+        # CTAs before `first` (mine < 0) take none: they run the kernel's other role
+        upper = jnp.where(mine >= 0, jnp.maximum((num_items - mine + count - 1) // count, 0), 0)
 
         @pl.loop(0, upper)
         def _steps(i):

@@ -128,9 +128,9 @@ def _kernel(table_ref, num_valid_ref, tile_src_ref, runs_ref, x_gmem, w_gmem, y_
     """x_gmem: with the exchange the send buffer [M, D] (runs for destination p, expert e in (p, e) order), the
     pushed rows landing in recv_gmem [R, D]; without it the receive buffer itself. y_gmem [R, N]."""
     cta = lax.axis_index("sm")
-    if not exchange:
-        ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, y_gmem, cfg=cfg, transpose_w=False,
-                      ctas=(send_ctas, num_sms - send_ctas))
+    if not exchange:   # the first send_ctas CTAs idle (they would push the runs)
+        pl.when(cta >= send_ctas)(lambda: ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, y_gmem, cfg=cfg,
+                                                        transpose_w=False, ctas=(send_ctas, num_sms - send_ctas)))
         return
     rank = lax.axis_index(axis)
     # one semaphore per step (each get_global is its own allocation): step j's senders count into sems[j]

@@ -39,6 +39,7 @@ from megascale_jax.parallel import collectives
 from megascale_jax.parallel import expert_parallel as ep
 from megascale_jax.parallel import token_routes as routes
 from megascale_jax.parallel import ring_attention
+from megascale_jax.parallel.expert_runs import DispatchExchange, ExpertRunsDispatch
 from megascale_jax.parallel.overlap import MacroBlock
 from megascale_jax.parallel.ring_dispatch import RingAllGatherDispatch
 from megascale_jax.parallel.plan import (DATA, INTRA, AttentionPlan, DispatchDType, EPDispatch, FFNPlan, MoELayer,
@@ -354,13 +355,16 @@ def local_layout(num_experts: int, capacity_factor: float = 0.0) -> Layout:
 
 
 def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int, moe_layer: str = MoELayer.AUTODIFF,
-                remat: str = "none", overlap_chunks: int = 1, attention_exchange: str = "ring") -> Layout:
+                remat: str = "none", overlap_chunks: int = 1, attention_exchange: str = "ring",
+                dispatch_exchange: str = "ring") -> Layout:
     """The layout `plan` calls for. Per device (manual plan or pipeline) reductions go over the mesh; the
     SP / TP / EP strategies exist only under the manual plan (under XLA the compiler communicates).
     moe_layer='macro' adds the macro block (parallel/overlap.py), which then owns the MoE blocks' remat;
     'fused' swaps the all_gather dispatcher for its ring schedule (parallel/ring_dispatch.py) and Ulysses SP
     attention for its fused GEMM+A2A / A2A+GEMM schedule (parallel/ring_attention.py; TP attention stays),
-    whose GEMM+A2A moves its tiles as `attention_exchange` says (ring_attention.AttentionExchange)."""
+    whose GEMM+A2A moves its tiles as `attention_exchange` says (ring_attention.AttentionExchange), and the
+    dispatch's rows as `dispatch_exchange` says (expert_runs.DispatchExchange: the ring, or (expert, source)
+    runs in plain JAX or in the fused AG + grouped GEMM kernel)."""
     layout = _plain_layout(plan, num_heads=num_heads, num_experts=num_experts)
     if moe_layer == MoELayer.AUTODIFF:
         return layout
@@ -373,7 +377,8 @@ def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int, moe_lay
         if type(attention) is UlyssesAttention:
             attention = RingUlyssesAttention(num_heads=attention.num_heads, axis=attention.axis,
                                              exchange=attention_exchange)
-        ffn = RingAllGatherDispatch(layout.ffn.num_experts)
+        ffn = (RingAllGatherDispatch(layout.ffn.num_experts) if dispatch_exchange == DispatchExchange.RING
+               else ExpertRunsDispatch(layout.ffn.num_experts, exchange=dispatch_exchange))
         return dataclasses.replace(layout, attention=attention, ffn=ffn)
     if not plan.per_device or isinstance(layout.ffn, TensorParallelDispatch):
         raise ValueError(f"parallel.moe_layer='macro' writes out the per-device SP/TP-attention + EP-MoE block "

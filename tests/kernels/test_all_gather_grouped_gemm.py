@@ -92,6 +92,10 @@ def test_interpret_compute_side_equals_the_grouped_gemm_twin():
 
 
 def test_twin_receives_rows_in_expert_then_source_order_on_four_devices():
+    """The twin's receive buffer vs numpy, and the model's plain exchange (parallel/expert_runs.py receive_runs,
+    which the dispatcher's way back, return_runs, reads in the same layout) vs the twin's."""
+    from megascale_jax.parallel.expert_runs import receive_runs
+
     n, g, d, nn = 4, 2, 16, 8
     rng = np.random.default_rng(7)
     counts = _counts(rng, n, g, 12)
@@ -102,10 +106,17 @@ def test_twin_receives_rows_in_expert_then_source_order_on_four_devices():
     w = rng.standard_normal((n, g, d, nn)).astype(np.float32)
     mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:n])
     twin = functools.partial(all_gather_grouped_gemm_reference, axis="x", capacity=capacity)
-    fn = jax.jit(jax.shard_map(lambda x, c, w: tuple(o[None] for o in twin(x[0], c, w[0])), mesh=mesh,
-                               in_specs=(P("x"), P(), P("x")), out_specs=P("x")))
+    cap = -(-int(counts.max(axis=(1, 2), initial=0).max() * g) // 8) * 8   # >= any source's rows for one rank
+
+    def both(x, c, w):
+        plain = receive_runs(x[0], c, axis="x", capacity_per_source=cap)[0][:capacity]
+        return tuple(o[None] for o in (*twin(x[0], c, w[0]), plain))
+
+    fn = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(P("x"), P(), P("x")), out_specs=P("x")))
     put = lambda a, spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))  # noqa: E731
-    y, recv, sizes = (np.asarray(a) for a in fn(put(send_NMD, P("x")), put(counts.astype(np.int32), P()), put(w, P("x"))))
+    y, recv, sizes, plain = (np.asarray(a) for a in fn(put(send_NMD, P("x")), put(counts.astype(np.int32), P()),
+                                                       put(w, P("x"))))
+    np.testing.assert_array_equal(plain, recv)
     for r in range(n):
         want = _expected_receive(sends, counts, r, capacity)
         total = int(counts[:, r].sum())
@@ -158,7 +169,35 @@ def _exchange_compile_report(topology: str) -> dict:
     body = functools.partial(all_gather_grouped_gemm, axis="x", capacity=n * 4096)
     fn = jax.shard_map(lambda x, c, w: body(x, c, w)[0], mesh=mesh, in_specs=(P("x"), P(), P("x")),
                        out_specs=P("x"), check_vma=False)
-    return compile_report(jax.jit(fn), send, counts, w)
+    return {**compile_report(jax.jit(fn), send, counts, w), "dispatcher": _dispatcher_compile_report(mesh, n)}
+
+
+def _dispatcher_compile_report(mesh, n):
+    """The model's dispatcher with dispatch_exchange='mosaic' (parallel/expert_runs.py): the layer's experts and
+    their gradients through the kernel, compiled for the same mock topology."""
+    from megascale_jax.model.moe.experts import ExpertWeights, FirstExpertGemms, expert_output, grouped_gemm_fn
+    from megascale_jax.model.moe.router import Routing
+    from megascale_jax.parallel.expert_runs import ExpertRunsDispatch
+
+    t, d, f, e, k = 2048, 1024, 1536, 2 * n, 2
+    dispatcher = ExpertRunsDispatch(e, axis="x", exchange="mosaic")
+    gemm = grouped_gemm_fn("pallas")
+
+    def loss(x, idx, wts, gate, up, down):
+        weights = ExpertWeights(gate, up, down)
+        routing = Routing(idx, wts, jnp.float32(0), jnp.float32(0))
+        h, sizes, plan = dispatcher.first_gemm_dispatch(x, routing, FirstExpertGemms(weights, gemm))
+        y = dispatcher.last_gemm_combine(h, sizes, plan, wts, lambda h, s: expert_output(h, weights, s, gemm))
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    def step(x, idx, wts, gate, up, down):
+        return jax.grad(loss, argnums=(0, 3, 4, 5))(x[0], idx[0], wts[0], gate, up, down)[0][None]
+
+    sd = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))  # noqa: E731
+    args = (sd((n, t, d), jnp.bfloat16, P("x")), sd((n, t, k), jnp.int32, P("x")), sd((n, t, k), jnp.float32, P("x")),
+            sd((e, d, f), jnp.bfloat16, P("x")), sd((e, d, f), jnp.bfloat16, P("x")), sd((e, f, d), jnp.bfloat16, P("x")))
+    fn = jax.shard_map(step, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"), check_vma=False)
+    return compile_report(jax.jit(fn), *args)
 
 
 @pytest.mark.gpu
@@ -169,6 +208,8 @@ def test_gpu_exchange_kernel_compiles_for_several_gpus(topology):
     report = report_in_subprocess(__file__, topology, timeout=180, compile_only=True)
     assert report["devices"] == int(topology.split("x")[1]) and report["mosaic_calls"] >= 1, report
     assert report["collective_metadata"], report
+    layer = report["dispatcher"]   # the model's dispatcher (dispatch_exchange='mosaic'), forward and backward
+    assert layer["mosaic_calls"] >= 1 and layer["collective_metadata"], layer
 
 
 if __name__ == "__main__":   # the report the GPU test above runs in a subprocess

@@ -90,3 +90,28 @@ def test_the_mosaic_attention_exchange_needs_the_fused_sp_schedule_and_a_gpu():
     layout = make_layout(ParallelPlan.from_config(cfg), num_heads=cfg.model.num_heads,
                          num_experts=cfg.model.moe.num_experts, moe_layer="fused", attention_exchange="mosaic")
     assert type(layout.attention).__name__ == "RingUlyssesAttention" and layout.attention.exchange == "mosaic"
+
+
+@pytest.mark.parametrize("intra", [4, 8])
+def test_runs_exchange_equals_the_all_gather_dispatch(intra):
+    """parallel.dispatch_exchange='runs' (parallel/expert_runs.py: rows in (expert, source) order, the layout of
+    the fused AG + grouped GEMM kernel, moved by one all-to-all each way): loss, stats, every gradient."""
+    trainer, (loss_r, metrics_r, grads_r) = _run("fused", **{"parallel.intra": intra,
+                                                             "parallel.dispatch_exchange": "runs"})
+    assert type(trainer.layout.ffn).__name__ == "ExpertRunsDispatch"
+    _, (loss_a, metrics_a, grads_a) = _run("autodiff", **{"parallel.intra": intra})
+    assert float(loss_r) == pytest.approx(float(loss_a), rel=1e-5)
+    np.testing.assert_array_equal(metrics_r["tokens_per_expert"], metrics_a["tokens_per_expert"])
+    assert int(metrics_r["dropped_tokens"]) == int(metrics_a["dropped_tokens"]) == 0
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads_r), jax.tree.leaves(grads_a)):
+        scale = float(np.abs(want).max())
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_dispatch_exchange_needs_the_fused_schedule_and_mosaic_a_gpu():
+    with pytest.raises(ConfigError, match="dispatch_exchange='runs' moves the fused schedule's dispatch rows"):
+        default_config("tiny_cpu", num_devices=8, **{**COMMON, "parallel.intra": 4, "parallel.dispatch_exchange": "runs"})
+    cfg = default_config("tiny_cpu", num_devices=8, **{**COMMON, "parallel.intra": 4, "parallel.moe_layer": "fused",
+                                                       "parallel.dispatch_exchange": "mosaic"})
+    with pytest.raises(ConfigError, match="dispatch_exchange='mosaic' is a Mosaic GPU kernel for bf16 compute"):
+        step.build(cfg)

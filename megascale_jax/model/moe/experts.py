@@ -17,6 +17,7 @@ layer) can differentiate them, and a dispatcher can take the first (`expert_hidd
 """
 from __future__ import annotations
 
+import dataclasses
 from enum import StrEnum
 from typing import Callable, NamedTuple
 
@@ -147,6 +148,24 @@ def expert_hidden(x_MD, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm
     gate = checkpoint_name(gemm(x_MD, weights.gate_EDF.astype(dt), group_sizes_E), "expert_gate")
     up = checkpoint_name(gemm(x_MD, weights.up_EDF.astype(dt), group_sizes_E), "expert_up")
     return jax.nn.silu(gate) * up
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstExpertGemms:
+    """The experts' first GEMMs and activation as a dispatcher receives them: called as (x_MD, group_sizes) ->
+    h_MF, or finished from the gate product by a dispatcher whose kernel computed it together with the
+    exchange (pallas_kernels/all_gather_grouped_gemm.py): `from_gate(x_MD, gate_MF, group_sizes)`."""
+    weights: ExpertWeights
+    gemm: GroupedGemm
+    swiglu: str = "separate"
+
+    def __call__(self, x_MD, group_sizes_E):
+        return expert_hidden(x_MD, self.weights, group_sizes_E, self.gemm, self.swiglu)
+
+    def from_gate(self, x_MD, gate_MF, group_sizes_E):
+        gate = checkpoint_name(gate_MF, "expert_gate")
+        up = checkpoint_name(self.gemm(x_MD, self.weights.up_EDF.astype(x_MD.dtype), group_sizes_E), "expert_up")
+        return jax.nn.silu(gate) * up
 
 
 def expert_output(h_MF, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm):

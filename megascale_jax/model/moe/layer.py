@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megascale_jax.model.layers import DenseMLP, param
-from megascale_jax.model.moe.experts import SwiGLUExperts, expert_hidden, expert_output, grouped_gemm_fn
+from megascale_jax.model.moe.experts import FirstExpertGemms, SwiGLUExperts, expert_output, grouped_gemm_fn
 from megascale_jax.model.moe.router import ROUTERS
 
 
@@ -49,7 +49,7 @@ class MoEFFN(nnx.Module):
         with jax.named_scope("route"):
             routing = self.router(x_TD, layout.reductions.token_mean)
         gemm, weights = grouped_gemm_fn(self.grouped_gemm), self.experts.weights()
-        first = functools.partial(_first_gemm, weights=weights, gemm=gemm, swiglu=self.swiglu)
+        first = FirstExpertGemms(weights, gemm, self.swiglu)
         last = functools.partial(_last_gemm, weights=weights, gemm=gemm)
         h_MF, group_sizes, residual = layout.ffn.first_gemm_dispatch(x_TD, routing, first)   # dispatch, experts
         y_TD = layout.ffn.last_gemm_combine(h_MF, group_sizes, residual, routing.weight_TK, last)  # experts, combine
@@ -75,10 +75,6 @@ def gate_shared_output(x_TD, w_gate_D1, y_TD):
     fp32, the output in y's dtype (also the macro layer's, model/transformer.py MoEBlockMath)."""
     logit_T1 = jnp.dot(x_TD, w_gate_D1.astype(x_TD.dtype), preferred_element_type=jnp.float32)
     return (jax.nn.sigmoid(logit_T1) * y_TD.astype(jnp.float32)).astype(y_TD.dtype)
-
-
-def _first_gemm(x_MD, group_sizes, *, weights, gemm, swiglu):
-    return expert_hidden(x_MD, weights, group_sizes, gemm, swiglu)
 
 
 def _last_gemm(h_MF, group_sizes, *, weights, gemm):
