@@ -7,7 +7,10 @@ work item first waiting for the source ranks whose rows it reads).
 
 `ctas=(first, count)` runs the work items on CTAs [first, first + count) only (the others do something else
 in the same kernel); `before_slot(slot)` runs in the memory warpgroup right before a work item's first load
-(a semaphore wait: the rows of that slot are written by other ranks during the kernel).
+(a semaphore wait: the rows of that slot are written by other ranks during the kernel); `store_tile(acc,
+staging, slot, first_row, col0, rows)` replaces a computed tile's store (the warpgroup's fp32 accumulator, its
+SMEM staging, the slot, its first row and column in the output, rows=(lo, count) of it that are the slot's)
+with the caller's (grouped_gemm_reduce_scatter.py stores each source's rows into that rank's buffer).
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ def _cta_loop(num_items, ctas):
 
 
 def ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: GemmTiling, transpose_w: bool,
-                  ctas=None, before_slot=None):
+                  ctas=None, before_slot=None, store_tile=None):
     """out[rows of g] = x[rows of g] @ (w[g]ᵀ if transpose_w else w[g]); w is [G, K, N] or [G, N, K].
 
     Each SM runs its compute work items first, then its zero-tail items. With `cfg.chain_items` the
@@ -61,7 +64,9 @@ def ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: Ge
     experts). Without it each item's pipeline fills and drains on its own.
 
     With `cfg.split_k` = S > 1 every work item is S items, each over one S-th of K, storing an fp32 partial at
-    rows ks * M of out_gmem [S * M, N] (the tail's zeros in every partial); the launcher sums them."""
+    rows ks * M of out_gmem [S * M, N] (the tail's zeros in every partial); the launcher sums them.
+    `ctas`, `before_slot`, `store_tile`: see the module docstring (the hooks need an unsplit reduction)."""
+    assert (before_slot is None and store_tile is None) or cfg.split_k == 1, "the hooks need split_k = 1"
     m, k = x_gmem.shape
     n = out_gmem.shape[1]
     splits = cfg.split_k
@@ -112,6 +117,9 @@ def ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: Ge
             _, row0, lo, count = (table_ref[i, slot] for i in range(4))
             wlo = jnp.clip(lo - wg_row0, 0, cfg.tile_m)
             whi = jnp.clip(lo + count - wg_row0, 0, cfg.tile_m)
+            if store_tile is not None and acc is not None:
+                store_tile(acc, out_smem.at[wg], slot, row0 + wg_row0, ni * cfg.cta_n + wg_col0, (wlo, whi - wlo))
+                return
             store_rows(acc, out_smem.at[wg], out_gmem, (ks * m if splits > 1 else 0) + row0 + wg_row0,
                        ni * cfg.cta_n + wg_col0, cfg, rows=(wlo, whi - wlo), zeros_staged=zeros_staged)
 

@@ -12,9 +12,10 @@ one or two sources whose runs it covers. This is the layout of the fused AG + sc
 
 `ExpertRunsDispatch` is the dispatcher (parallel/layouts.py FFNDispatcher) for `parallel.moe_layer='fused'`
 with `parallel.dispatch_exchange` 'runs' (this module's plain exchange; runs anywhere, tested against the
-unfused all_gather dispatch on 8 simulated devices) or 'mosaic' (the first GEMM fused with the exchange in
-the kernel, GPU only; the way back and the backward are this module's plain form until the mirror kernel,
-grouped GEMM + gather + RS, exists). Dropless: a receiver holds n x T x min(K, G) rows (every possible one).
+unfused all_gather dispatch on 8 simulated devices) or 'mosaic' (GPU only: the gate GEMM fused with the
+exchange, pallas_kernels/all_gather_grouped_gemm.py, and the down GEMM with the way back,
+pallas_kernels/grouped_gemm_reduce_scatter.py; both backwards are their plain twins' for now). Dropless: a
+receiver holds n x T x min(K, G) rows (every possible one).
 """
 from __future__ import annotations
 
@@ -149,9 +150,15 @@ class ExpertRunsDispatch:
         num_tokens, top_k = weight_TK.shape
         y_AD = return_runs(y_RD, plan.counts_SPG, axis=self.axis, capacity_per_source=self._capacity(weight_TK.shape),
                            rows=num_tokens * top_k)
+        return self._weighted_sum(y_AD, plan, weight_TK)
+
+    @staticmethod
+    def _weighted_sum(y_AD, plan: RunsPlan, weight_TK):
+        """Send-order rows back to their assignments, summed over k with the routing weights in fp32."""
+        num_tokens, top_k = weight_TK.shape
         y_TKD = jnp.zeros_like(y_AD).at[plan.order_A].set(y_AD).reshape(num_tokens, top_k, -1)
         out = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weight_TK.astype(jnp.float32))
-        return out.astype(y_RD.dtype)
+        return out.astype(y_AD.dtype)
 
     def first_gemm_dispatch(self, x_TD, routing, first_gemm):
         if self.exchange != DispatchExchange.MOSAIC:
@@ -171,8 +178,19 @@ class ExpertRunsDispatch:
             h = first_gemm.from_gate(recv, gate, group_sizes)
         return h[:rows], group_sizes, plan
 
-    def last_gemm_combine(self, h_MF, group_sizes, residual, weight_TK, last_gemm):
-        with jax.named_scope("experts"):
-            y_RD = last_gemm(h_MF, group_sizes)
+    def last_gemm_combine(self, h_MF, group_sizes, plan: RunsPlan, weight_TK, last_gemm):
+        if self.exchange != DispatchExchange.MOSAIC:
+            with jax.named_scope("experts"):
+                y_RD = last_gemm(h_MF, group_sizes)
+            with jax.named_scope("combine"):
+                return self.combine(y_RD, plan, weight_TK)
+        from pallas_kernels.grouped_gemm_reduce_scatter import grouped_gemm_reduce_scatter
+
+        num_tokens, top_k = weight_TK.shape
+        with jax.named_scope("experts"):   # each output tile stored into the ranks its rows came from
+            h_pad = jnp.pad(h_MF, ((0, max(256 - h_MF.shape[0], 0)), (0, 0)))   # at least one 256-row tile
+            y_AD = last_gemm.named(grouped_gemm_reduce_scatter(
+                h_pad, plan.counts_SPG, last_gemm.weights.down_EFD.astype(h_MF.dtype), axis=self.axis,
+                rows=num_tokens * top_k))
         with jax.named_scope("combine"):
-            return self.combine(y_RD, residual, weight_TK)
+            return self._weighted_sum(y_AD, plan, weight_TK)

@@ -174,8 +174,9 @@ def _exchange_compile_report(topology: str) -> dict:
 
 def _dispatcher_compile_report(mesh, n):
     """The model's dispatcher with dispatch_exchange='mosaic' (parallel/expert_runs.py): the layer's experts and
-    their gradients through the kernel, compiled for the same mock topology."""
-    from megascale_jax.model.moe.experts import ExpertWeights, FirstExpertGemms, expert_output, grouped_gemm_fn
+    their gradients through both kernels (this one and grouped_gemm_reduce_scatter.py), compiled for the same
+    mock topology."""
+    from megascale_jax.model.moe.experts import ExpertWeights, FirstExpertGemms, LastExpertGemm, grouped_gemm_fn
     from megascale_jax.model.moe.router import Routing
     from megascale_jax.parallel.expert_runs import ExpertRunsDispatch
 
@@ -187,7 +188,7 @@ def _dispatcher_compile_report(mesh, n):
         weights = ExpertWeights(gate, up, down)
         routing = Routing(idx, wts, jnp.float32(0), jnp.float32(0))
         h, sizes, plan = dispatcher.first_gemm_dispatch(x, routing, FirstExpertGemms(weights, gemm))
-        y = dispatcher.last_gemm_combine(h, sizes, plan, wts, lambda h, s: expert_output(h, weights, s, gemm))
+        y = dispatcher.last_gemm_combine(h, sizes, plan, wts, LastExpertGemm(weights, gemm))
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     def step(x, idx, wts, gate, up, down):

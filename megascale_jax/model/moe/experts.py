@@ -168,6 +168,22 @@ class FirstExpertGemms:
         return jax.nn.silu(gate) * up
 
 
+@dataclasses.dataclass(frozen=True)
+class LastExpertGemm:
+    """The experts' last GEMM as a dispatcher receives it: called as (h_MF, group_sizes) -> y_MD; a dispatcher
+    whose kernel runs it together with the way back (pallas_kernels/grouped_gemm_reduce_scatter.py) reads
+    `weights` and names that kernel's output with `named`."""
+    weights: ExpertWeights
+    gemm: GroupedGemm
+
+    def __call__(self, h_MF, group_sizes_E):
+        return expert_output(h_MF, self.weights, group_sizes_E, self.gemm)
+
+    @staticmethod
+    def named(y):
+        return checkpoint_name(y, "expert_out")
+
+
 def expert_output(h_MF, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm):
     """The last expert GEMM: h @ down_e."""
     out = gemm(h_MF, weights.down_EFD.astype(h_MF.dtype), group_sizes_E)

@@ -13,14 +13,12 @@ communication + GEMM kernel can take over exactly those (parallel/layouts.py).
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from megascale_jax.model.layers import DenseMLP, param
-from megascale_jax.model.moe.experts import FirstExpertGemms, SwiGLUExperts, expert_output, grouped_gemm_fn
+from megascale_jax.model.moe.experts import FirstExpertGemms, LastExpertGemm, SwiGLUExperts, grouped_gemm_fn
 from megascale_jax.model.moe.router import ROUTERS
 
 
@@ -50,7 +48,7 @@ class MoEFFN(nnx.Module):
             routing = self.router(x_TD, layout.reductions.token_mean)
         gemm, weights = grouped_gemm_fn(self.grouped_gemm), self.experts.weights()
         first = FirstExpertGemms(weights, gemm, self.swiglu)
-        last = functools.partial(_last_gemm, weights=weights, gemm=gemm)
+        last = LastExpertGemm(weights, gemm)
         h_MF, group_sizes, residual = layout.ffn.first_gemm_dispatch(x_TD, routing, first)   # dispatch, experts
         y_TD = layout.ffn.last_gemm_combine(h_MF, group_sizes, residual, routing.weight_TK, last)  # experts, combine
         if self.shared is not None:
@@ -75,7 +73,3 @@ def gate_shared_output(x_TD, w_gate_D1, y_TD):
     fp32, the output in y's dtype (also the macro layer's, model/transformer.py MoEBlockMath)."""
     logit_T1 = jnp.dot(x_TD, w_gate_D1.astype(x_TD.dtype), preferred_element_type=jnp.float32)
     return (jax.nn.sigmoid(logit_T1) * y_TD.astype(jnp.float32)).astype(y_TD.dtype)
-
-
-def _last_gemm(h_MF, group_sizes, *, weights, gemm):
-    return expert_output(h_MF, weights, group_sizes, gemm)
