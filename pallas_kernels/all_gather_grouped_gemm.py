@@ -16,7 +16,9 @@ come from (`tile_sources`; a non-decrementing wait, so every item may wait).
     y_RN, recv_RD, group_sizes_G = all_gather_grouped_gemm(send_MD, counts_SPG, w_GDN, axis=...)
 
 Twin: `all_gather_grouped_gemm_reference` (all-gather of the send buffers, a gather into the receive order,
-then the grouped GEMM's plain twin). With `exchange=False` the kernel is the compute side alone (the grouped
+then the grouped GEMM's plain twin). Backward (custom VJP, `dispatch_backward`): the grouped GEMM kernel's
+dgrad and wgrad on the receive buffer, then the exchange's transpose (`run_exchange_reference.return_runs`,
+one all-to-all back to the send order). With `exchange=False` the kernel is the compute side alone (the grouped
 GEMM on the CTAs the exchange leaves free, over a receive buffer given as input): the only form the CPU
 interpreter runs besides `push_runs_locally` (the sending side alone, each step's pushes landing in a local
 buffer), which tests the run and box arithmetic on the CPU. The backward is the twin's (custom VJP).
@@ -38,11 +40,13 @@ from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, check_dt
 from pallas_kernels._peer_checks import check_exchange_runnable
 from pallas_kernels._ragged_body import ragged_kernel
 from pallas_kernels._work_tables import ROW_ALIGN, prefix_sum, row_tile_table
+from pallas_kernels.grouped_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
 from pallas_kernels.grouped_gemm_reference import grouped_gemm_reference
-from pallas_kernels.varying import vary_like
+from pallas_kernels.run_exchange_reference import return_runs
+from pallas_kernels.varying import match_varying, vary_like
 
-__all__ = ["all_gather_grouped_gemm", "all_gather_grouped_gemm_reference", "push_runs_locally", "DEFAULT_SEND_CTAS",
-           "SEND_ROWS"]
+__all__ = ["all_gather_grouped_gemm", "all_gather_grouped_gemm_reference", "dispatch_backward", "push_runs_locally",
+           "DEFAULT_SEND_CTAS", "SEND_ROWS"]
 
 SEND_ROWS = 128          # rows of one pushed box; a run's remainder goes as boxes of 64, 32, ..., 1 rows
 DEFAULT_SEND_CTAS = 8    # of the H200's 132 SMs, as all_to_all_gemm.py (untuned: needs several GPUs)
@@ -219,14 +223,15 @@ def all_gather_grouped_gemm_reference(send_MD, counts_SPG, w_GDN, *, axis, capac
 
 def all_gather_grouped_gemm(send_MD, counts_SPG, w_GDN, *, axis, capacity: int, tiling: GemmTiling | None = None,
                             exchange: bool = True, num_sms: int | None = None, send_ctas: int = DEFAULT_SEND_CTAS,
-                            interpret: bool = False):
+                            source_rows: int | None = None, interpret: bool = False):
     """`all_gather_grouped_gemm_reference(...)` as one kernel, inside shard_map over a mesh that has `axis` (n
     ranks), one process driving all of its GPUs. send_MD [M, D] bf16/f16: this rank's routed rows sorted by
     (destination rank, its local expert); counts_SPG [n, n, G] int: rows of source s for local expert e of rank
     p, the same on every rank (all-gathered routing counts); w_GDN [G, D, N] this rank's experts. `capacity`
     rows of receive buffer (>= the most rows any rank can get; a multiple of 8). Returns (y_RN, recv_RD,
     group_sizes_G): the first expert GEMM of the received rows, the rows themselves (for the GEMMs that read
-    them too), this rank's rows per local expert. Differentiable: the backward is the twin's.
+    them too), this rank's rows per local expert. Differentiable (`dispatch_backward`; `source_rows` bounds the
+    rows one source routes to one rank, the all-to-all blocks of the backward: default all of send_MD's).
     `exchange=False`: the compute side alone, send_MD then being this rank's receive buffer [capacity, D]
     (returns y only; not differentiated; runs in the CPU interpreter)."""
     cfg = _validate(send_MD, counts_SPG, w_GDN, capacity, tiling, send_ctas)
@@ -247,11 +252,12 @@ def all_gather_grouped_gemm(send_MD, counts_SPG, w_GDN, *, axis, capacity: int, 
     sms = num_sms or sm_count(False)
     if not 0 < send_ctas < sms:
         raise ValueError(f"send_ctas={send_ctas} must be between 1 and the SM count - 1 ({sms - 1})")
-    return _exchanged(send_MD, counts_SPG, w_GDN, cfg, axis, capacity, sms, send_ctas)
+    source_rows = source_rows or -(-send_MD.shape[0] // ROW_ALIGN) * ROW_ALIGN
+    return _exchanged(send_MD, counts_SPG, w_GDN, cfg, axis, capacity, sms, send_ctas, source_rows)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _exchanged(send_MD, counts_SPG, w_GDN, cfg, axis, capacity, num_sms, send_ctas):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _exchanged(send_MD, counts_SPG, w_GDN, cfg, axis, capacity, num_sms, send_ctas, source_rows):
     n, rank = counts_SPG.shape[0], lax.axis_index(axis)
     group_sizes, table, num_valid, tile_src = _tables(counts_SPG, rank, capacity, cfg)
     runs = _runs_table(counts_SPG, rank, send_MD.shape[1], send_ctas)
@@ -266,16 +272,30 @@ def _exchanged(send_MD, counts_SPG, w_GDN, cfg, axis, capacity, num_sms, send_ct
     return tuple(vary_like(o, send_MD, w_GDN, axes=(axis,)) for o in (y, recv)) + (group_sizes,)
 
 
-def _exchanged_fwd(send_MD, counts_SPG, w_GDN, cfg, axis, capacity, num_sms, send_ctas):
-    return _exchanged(send_MD, counts_SPG, w_GDN, cfg, axis, capacity, num_sms, send_ctas), (send_MD, counts_SPG, w_GDN)
+def _exchanged_fwd(send_MD, counts_SPG, w_GDN, cfg, axis, capacity, num_sms, send_ctas, source_rows):
+    outs = _exchanged(send_MD, counts_SPG, w_GDN, cfg, axis, capacity, num_sms, send_ctas, source_rows)
+    return outs, (send_MD, counts_SPG, w_GDN, outs[1], outs[2])
 
 
-def _exchanged_bwd(cfg, axis, capacity, num_sms, send_ctas, residuals, cotangents):
-    send_MD, counts_SPG, w_GDN = residuals
-    twin = functools.partial(all_gather_grouped_gemm_reference, axis=axis, capacity=capacity)
-    _, pull = jax.vjp(lambda x, w: twin(x, counts_SPG, w)[:2], send_MD, w_GDN)
-    dx, dw = pull(tuple(c.astype(send_MD.dtype) for c in cotangents[:2]))
-    return dx, None, dw
+def _exchanged_bwd(cfg, axis, capacity, num_sms, send_ctas, source_rows, residuals, cotangents):
+    send_MD, counts_SPG, w_GDN, recv_RD, group_sizes = residuals
+    d_send, dw = dispatch_backward(send_MD, counts_SPG, w_GDN, recv_RD, group_sizes, *cotangents[:2], axis=axis,
+                                   source_rows=source_rows)
+    return match_varying(d_send, send_MD, *cotangents[:2]), None, match_varying(dw, w_GDN, recv_RD, cotangents[0])
+
+
+def dispatch_backward(send_MD, counts_SPG, w_GDN, recv_RD, group_sizes_G, dy_RN, drecv_RD, *, axis, source_rows: int,
+                      dgrad=None, wgrad=None):
+    """The cotangents of (send_MD, w_GDN) from those of the kernel's outputs (y, recv): the input gradient of the
+    GEMM plus recv's own, moved back to the send order (the exchange's transpose), and the weight gradient.
+    `dgrad(dy, w, sizes)` / `wgrad(x, dy, sizes)`: the grouped GEMM kernel's (default) or its twins' (tests)."""
+    dgrad = dgrad or functools.partial(grouped_gemm_dgrad, preferred_element_type=jnp.float32)
+    wgrad = wgrad or functools.partial(grouped_gemm_wgrad, preferred_element_type=w_GDN.dtype)
+    dy = dy_RN.astype(send_MD.dtype)
+    d_recv = dgrad(dy, w_GDN, group_sizes_G).astype(jnp.float32) + drecv_RD.astype(jnp.float32)
+    d_send = return_runs(d_recv.astype(send_MD.dtype), counts_SPG, axis=axis, capacity_per_source=source_rows,
+                         rows=send_MD.shape[0])
+    return d_send, wgrad(recv_RD, dy, group_sizes_G).astype(w_GDN.dtype)
 
 
 _exchanged.defvjp(_exchanged_fwd, _exchanged_bwd)

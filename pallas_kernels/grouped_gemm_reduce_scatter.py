@@ -16,7 +16,9 @@ finished rows. The zero tail is not computed (its rows belong to no source).
 Twin: `grouped_gemm_reduce_scatter_reference` (the grouped GEMM's plain twin, an all-gather of every rank's
 outputs, each of this rank's rows picked out). `return_rows_locally` runs the computing side with each peer's
 stores landing in a local buffer instead (no semaphores, so the CPU interpreter runs it): the tests check the
-run arithmetic there. The backward is the twin's (custom VJP). Not yet run on several GPUs.
+run arithmetic there. Backward (custom VJP, `reduce_scatter_backward`): the return's transpose (`run_exchange_
+reference.receive_runs`: the cotangents to the receive order, one all-to-all), then the grouped GEMM kernel's
+dgrad and wgrad. Not yet run on several GPUs.
 """
 from __future__ import annotations
 
@@ -34,10 +36,13 @@ from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, check_dt
 from pallas_kernels._peer_checks import check_exchange_runnable
 from pallas_kernels._ragged_body import ragged_kernel
 from pallas_kernels._work_tables import ROW_ALIGN, row_tile_table
+from pallas_kernels.grouped_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
 from pallas_kernels.grouped_gemm_reference import grouped_gemm_reference
-from pallas_kernels.varying import vary_like
+from pallas_kernels.run_exchange_reference import receive_runs
+from pallas_kernels.varying import match_varying, vary_like
 
-__all__ = ["grouped_gemm_reduce_scatter", "grouped_gemm_reduce_scatter_reference", "return_rows_locally"]
+__all__ = ["grouped_gemm_reduce_scatter", "grouped_gemm_reduce_scatter_reference", "reduce_scatter_backward",
+           "return_rows_locally"]
 
 
 def _return_table(counts_SPG, rank):
@@ -156,20 +161,22 @@ def grouped_gemm_reduce_scatter_reference(h_RF, counts_SPG, w_GFD, *, axis, rows
 
 
 def grouped_gemm_reduce_scatter(h_RF, counts_SPG, w_GFD, *, axis, rows: int, tiling: GemmTiling | None = None,
-                                num_sms: int | None = None):
+                                num_sms: int | None = None, source_rows: int | None = None):
     """`grouped_gemm_reduce_scatter_reference(...)` as one kernel, inside shard_map over a mesh with `axis` (n
     ranks), one process driving all its GPUs. h_RF [R, F] bf16/f16: this rank's received rows in (expert, source)
     order (R a multiple of 8 and >= the row tile); counts_SPG [n, n, G] int, the same on every rank; w_GFD
     [G, F, D]. Returns [rows, D]: this rank's send-order rows' expert outputs (zeros past its routed rows).
-    Differentiable: the backward is the twin's."""
+    Differentiable (`reduce_scatter_backward`; `source_rows` bounds the rows one source routes to one rank, the
+    all-to-all blocks of the backward: default `rows`)."""
     cfg = _validate(h_RF, counts_SPG, w_GFD, tiling)
     check_exchange_runnable("grouped_gemm_reduce_scatter", interpret=False, ranks=counts_SPG.shape[0],
                             operand="counts_SPG", axis=axis)
-    return _exchanged(h_RF, counts_SPG, w_GFD, cfg, axis, rows, num_sms or sm_count(False))
+    source_rows = source_rows or -(-rows // ROW_ALIGN) * ROW_ALIGN
+    return _exchanged(h_RF, counts_SPG, w_GFD, cfg, axis, rows, num_sms or sm_count(False), source_rows)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _exchanged(h_RF, counts_SPG, w_GFD, cfg, axis, rows, num_sms):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _exchanged(h_RF, counts_SPG, w_GFD, cfg, axis, rows, num_sms, source_rows):
     n, rank = counts_SPG.shape[0], lax.axis_index(axis)
     table, num_valid, tile_src, back = _tables(counts_SPG, rank, h_RF.shape[0], cfg)
     body = functools.partial(_kernel, cfg=cfg, n=n, axis=axis)
@@ -180,16 +187,26 @@ def _exchanged(h_RF, counts_SPG, w_GFD, cfg, axis, rows, num_sms):
     return vary_like(ret, h_RF, w_GFD, axes=(axis,))
 
 
-def _exchanged_fwd(h_RF, counts_SPG, w_GFD, cfg, axis, rows, num_sms):
-    return _exchanged(h_RF, counts_SPG, w_GFD, cfg, axis, rows, num_sms), (h_RF, counts_SPG, w_GFD)
+def _exchanged_fwd(h_RF, counts_SPG, w_GFD, cfg, axis, rows, num_sms, source_rows):
+    return _exchanged(h_RF, counts_SPG, w_GFD, cfg, axis, rows, num_sms, source_rows), (h_RF, counts_SPG, w_GFD)
 
 
-def _exchanged_bwd(cfg, axis, rows, num_sms, residuals, d_ret):
+def _exchanged_bwd(cfg, axis, rows, num_sms, source_rows, residuals, d_ret):
     h_RF, counts_SPG, w_GFD = residuals
-    twin = functools.partial(grouped_gemm_reduce_scatter_reference, axis=axis, rows=rows)
-    _, pull = jax.vjp(lambda h, w: twin(h, counts_SPG, w), h_RF, w_GFD)
-    dh, dw = pull(d_ret.astype(h_RF.dtype))
-    return dh, None, dw
+    dh, dw = reduce_scatter_backward(h_RF, counts_SPG, w_GFD, d_ret, axis=axis, source_rows=source_rows)
+    return match_varying(dh, h_RF, d_ret), None, match_varying(dw, w_GFD, h_RF, d_ret)
+
+
+def reduce_scatter_backward(h_RF, counts_SPG, w_GFD, d_ret_AD, *, axis, source_rows: int, dgrad=None, wgrad=None):
+    """The cotangents of (h_RF, w_GFD) from the returned rows': those moved to the receive order (the return's
+    transpose), then the GEMM's input and weight gradients. `dgrad` / `wgrad` as in all_gather_grouped_gemm's
+    `dispatch_backward` (the kernel's by default)."""
+    dgrad = dgrad or functools.partial(grouped_gemm_dgrad, preferred_element_type=h_RF.dtype)
+    wgrad = wgrad or functools.partial(grouped_gemm_wgrad, preferred_element_type=w_GFD.dtype)
+    d_y, group_sizes = receive_runs(d_ret_AD.astype(h_RF.dtype), counts_SPG, axis=axis, capacity_per_source=source_rows)
+    r = h_RF.shape[0]   # every received row lies below r: the rest of the all-to-all's rows are zeros
+    d_y = d_y[:r] if d_y.shape[0] >= r else jnp.pad(d_y, ((0, r - d_y.shape[0]), (0, 0)))
+    return dgrad(d_y, w_GFD, group_sizes).astype(h_RF.dtype), wgrad(h_RF, d_y, group_sizes).astype(w_GFD.dtype)
 
 
 _exchanged.defvjp(_exchanged_fwd, _exchanged_bwd)

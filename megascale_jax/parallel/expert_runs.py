@@ -5,10 +5,8 @@ one or two sources whose runs it covers. This is the layout of the fused AG + sc
 
     plan_runs(idx_TK)                     the send order (the local sort by global expert id) and every rank's
                                           counts [source, destination, expert] (all-gathered: small ints)
-    receive_runs(send_AD, counts_SPG)     the exchange in plain JAX: one all-to-all of per-destination blocks,
-                                          then each source's runs placed at their receive rows
-    return_runs(y_RD, counts_SPG)         the way back: each source's rows gathered out of the runs, one
-                                          all-to-all, then back in send order
+    receive_runs / return_runs            the exchange each way in plain JAX, one all-to-all of per-rank blocks
+                                          (pallas_kernels/run_exchange_reference.py: the kernels' twins)
 
 `ExpertRunsDispatch` is the dispatcher (parallel/layouts.py FFNDispatcher) for `parallel.moe_layer='fused'`
 with `parallel.dispatch_exchange` 'runs' (this module's plain exchange; runs anywhere, tested against the
@@ -29,6 +27,7 @@ from jax import lax
 
 from megascale_jax.parallel import collectives
 from megascale_jax.parallel.plan import INTRA
+from pallas_kernels.run_exchange_reference import receive_runs, return_runs
 from megascale_jax.parallel.token_routes import sentinel_invalid
 
 
@@ -58,64 +57,6 @@ def plan_runs(idx_TK, *, axis, num_experts: int) -> RunsPlan:
 def source_capacity(num_tokens: int, top_k: int, num_local: int) -> int:
     """Rows one source can route to one rank (dropless), rounded up to 8."""
     return -(-num_tokens * min(top_k, num_local) // 8) * 8
-
-
-def _exclusive(v, axis=-1):
-    return jnp.cumsum(v, axis=axis) - v
-
-
-def _receive_rows(counts_SG, capacity: int):
-    """For each receive row: its source, its index in that source's block (the source's rows for this rank in
-    expert order), and whether it holds a row (the tail does not). Runs sit in (expert, source) order."""
-    n, g = counts_SG.shape
-    ends = jnp.cumsum(counts_SG.T.reshape(-1))                      # run k = e * n + s
-    row = jnp.arange(capacity, dtype=jnp.int32)
-    k = jnp.searchsorted(ends, row, side="right").astype(jnp.int32)
-    valid = k < n * g
-    k = jnp.minimum(k, n * g - 1)
-    e, s = k // n, k % n
-    in_run = row - (ends[k] - counts_SG[s, e])
-    return s, _exclusive(counts_SG, axis=1)[s, e] + in_run, valid
-
-
-def receive_runs(send_AD, counts_SPG, *, axis, capacity_per_source: int):
-    """This rank's receive buffer [n * C, D] in (expert, source) order (zeros past its rows) and its rows per
-    local expert, from every rank's send buffer in (destination, expert) order (C = capacity_per_source)."""
-    rank, n = lax.axis_index(axis), counts_SPG.shape[0]
-    mine_PG = counts_SPG[rank]
-    base_P = _exclusive(jnp.sum(mine_PG, axis=1))
-    i = jnp.arange(capacity_per_source, dtype=jnp.int32)
-    keep = i[None, :] < jnp.sum(mine_PG, axis=1)[:, None]
-    idx = jnp.minimum(base_P[:, None] + i[None, :], send_AD.shape[0] - 1)
-    got_SCD = collectives.exchange_tokens(jnp.where(keep[..., None], send_AD[idx], 0), axis)
-    counts_SG = counts_SPG[:, rank]
-    s, j, valid = _receive_rows(counts_SG, n * capacity_per_source)
-    recv = jnp.where(valid[:, None], got_SCD[s, jnp.minimum(j, capacity_per_source - 1)], 0)
-    return recv.astype(send_AD.dtype), jnp.sum(counts_SG, axis=0)
-
-
-def return_runs(y_RD, counts_SPG, *, axis, capacity_per_source: int, rows: int):
-    """The way back: [rows, D] in this rank's send order (zeros for rows past its routed ones) from every
-    rank's receive-ordered [n * C, D] outputs."""
-    rank, n = lax.axis_index(axis), counts_SPG.shape[0]
-    counts_SG = counts_SPG[:, rank]
-    # source s's block for this rank: its runs (e, s) in expert order
-    i = jnp.arange(capacity_per_source, dtype=jnp.int32)
-    cum_SG = jnp.cumsum(counts_SG, axis=1)
-    e_SC = jax.vmap(lambda c: jnp.searchsorted(c, i, side="right"))(cum_SG).astype(jnp.int32)
-    keep = e_SC < counts_SG.shape[1]
-    e_SC = jnp.minimum(e_SC, counts_SG.shape[1] - 1)
-    run_start = (_exclusive(jnp.sum(counts_SG, axis=0))[None, :] + _exclusive(counts_SG, axis=0))   # [n, G]
-    src = jnp.arange(n)[:, None]
-    row_SC = run_start[src, e_SC] + i[None, :] - (cum_SG - counts_SG)[src, e_SC]
-    blocks = jnp.where(keep[..., None], y_RD[jnp.where(keep, row_SC, 0)], 0)
-    back_PCD = collectives.exchange_tokens(blocks, axis)          # back[p]: my rows that rank p computed
-    totals_P = jnp.sum(counts_SPG[rank], axis=1)
-    q = jnp.arange(rows, dtype=jnp.int32)
-    p = jnp.minimum(jnp.searchsorted(jnp.cumsum(totals_P), q, side="right"), n - 1)
-    ok = q < jnp.sum(totals_P)
-    out = back_PCD[p, jnp.clip(q - _exclusive(totals_P)[p], 0, capacity_per_source - 1)]
-    return jnp.where(ok[:, None], out, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +115,7 @@ class ExpertRunsDispatch:
             rows = lax.axis_size(self.axis) * self._capacity(routing.idx_TK.shape)
             gate, recv, group_sizes = all_gather_grouped_gemm(
                 send_AD, plan.counts_SPG, first_gemm.weights.gate_EDF.astype(x_TD.dtype), axis=self.axis,
-                capacity=max(rows, 256))   # at least one 256-row tile
+                capacity=max(rows, 256), source_rows=self._capacity(routing.idx_TK.shape))   # >= one 256-row tile
             h = first_gemm.from_gate(recv, gate, group_sizes)
         return h[:rows], group_sizes, plan
 
@@ -191,6 +132,6 @@ class ExpertRunsDispatch:
             h_pad = jnp.pad(h_MF, ((0, max(256 - h_MF.shape[0], 0)), (0, 0)))   # at least one 256-row tile
             y_AD = last_gemm.named(grouped_gemm_reduce_scatter(
                 h_pad, plan.counts_SPG, last_gemm.weights.down_EFD.astype(h_MF.dtype), axis=self.axis,
-                rows=num_tokens * top_k))
+                rows=num_tokens * top_k, source_rows=self._capacity(weight_TK.shape)))
         with jax.named_scope("combine"):
             return self._weighted_sum(y_AD, plan, weight_TK)
