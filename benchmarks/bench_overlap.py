@@ -1,10 +1,12 @@
-"""Exposed communication per step, autodiff vs the macro layer (parallel.moe_layer), from a profile of the real
-trainer, on however many devices the machine has.
+"""Exposed communication per step, autodiff vs the macro layer vs the fused schedule (parallel.moe_layer), from a
+profile of the real trainer, on however many devices the machine has.
 
     python -m benchmarks.bench_overlap --config mixtral_small --steps 12 --profile-steps 3 \
         --set parallel.intra=2 --out benchmarks/results/overlap_2xh200.json
 
-Each variant (`autodiff`; `macro` with overlap_chunks 1 and `--chunks`) runs `python -m megascale_jax.train` in a
+Each variant (`autodiff`; `macro` with overlap_chunks 1 and `--chunks`; `fused` with the all_gather dispatch as
+ring steps, `fused_runs` with its rows as (expert, source) runs, `fused_mosaic` with the fused kernels for both
+the dispatch and the attention exchanges (GPU, >= 2 devices; only when named in --variants)) runs `python -m megascale_jax.train` in a
 subprocess (benchmarks/bench_train.py's `run_trainer`) with `--profile` over the last `--profile-steps` steps;
 `exposed_communication` then reads the trace: per device, the union of communication intervals, the part of
 it during which no compute runs (exposed), and the busy time, per step. GPU traces are read as
@@ -97,11 +99,21 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--chunks", type=int, default=2, help="overlap_chunks of the chunked macro variant")
     ap.add_argument("--set", default="", help="overrides for every run: key=value,key=value")
+    ap.add_argument("--variants", default="autodiff,macro,macro_chunks,fused,fused_runs",
+                    help="comma list from autodiff, macro, macro_chunks, fused, fused_runs, fused_mosaic")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     common = {"plan_recipe": "megascale", **_parse_overrides(args.set)}
-    variants = [("autodiff", {"parallel.moe_layer": "autodiff"}), ("macro", {"parallel.moe_layer": "macro"}),
-                (f"macro_chunks{args.chunks}", {"parallel.moe_layer": "macro", "parallel.overlap_chunks": args.chunks})]
+    fused = {"parallel.moe_layer": "fused", "parallel.ep_dispatch": "all_gather"}
+    known = {"autodiff": {"parallel.moe_layer": "autodiff"}, "macro": {"parallel.moe_layer": "macro"},
+             "macro_chunks": {"parallel.moe_layer": "macro", "parallel.overlap_chunks": args.chunks}, "fused": fused,
+             "fused_runs": {**fused, "parallel.dispatch_exchange": "runs"},
+             "fused_mosaic": {**fused, "parallel.dispatch_exchange": "mosaic", "parallel.attention_exchange": "mosaic"}}
+    names = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {sorted(known)}")
+    variants = [(f"macro_chunks{args.chunks}" if v == "macro_chunks" else v, known[v]) for v in names]
     rows = []
     for name, extra in variants:
         try:

@@ -156,9 +156,9 @@ def _banner(cfg, trainer, size, peak, source) -> None:
         f"(peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s bf16'})",
         f"mesh: data={p.data} pipe={p.pipe} intra={p.intra} | recipe {cfg.plan_recipe}: plan {p.kind} (attention "
         f"{p.attention}, ffn {p.ffn}, dispatch {p.dispatch}) | MoE layer {cfg.parallel.moe_layer}"
-        f"{f' ({cfg.parallel.overlap_chunks} chunks)' if cfg.parallel.overlap_chunks > 1 else ''}, remat "
-        f"{cfg.train.remat} | kernels: attention {trainer.kernels.attention}, "
-        f"grouped GEMM {trainer.kernels.grouped_gemm}" + _steps_banner(cfg),
+        f"{f' ({cfg.parallel.overlap_chunks} chunks)' if cfg.parallel.overlap_chunks > 1 else ''}"
+        f"{_fused_exchanges(cfg)}, remat {cfg.train.remat} | kernels: attention {trainer.kernels.attention}, "
+        f"grouped GEMM {trainer.kernels.grouped_gemm}, swiglu {trainer.kernels.swiglu}" + _steps_banner(cfg),
         f"model: {size.summary()}",
         f"data: {getattr(source, 'description', type(source).__name__)} | batch {cfg.train.global_batch} x "
         f"{cfg.train.seq_len} tokens",
@@ -175,6 +175,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_processes", None, "Process count (multi-host without SLURM).")
     flags.DEFINE_integer("process_id", None, "This process's index (multi-host without SLURM).")
     flags.DEFINE_bool("debug", False, "Show the traceback of user errors (config, data, checkpoint, divergence).")
+
+
+def _fused_exchanges(cfg) -> str:
+    """' (dispatch ..., attention ...)' for the fused schedule: how its rows and tiles move."""
+    p = cfg.parallel
+    return f" (dispatch {p.dispatch_exchange}, attention {p.attention_exchange})" if p.moe_layer == "fused" else ""
 
 
 def _steps_banner(cfg) -> str:
