@@ -157,6 +157,31 @@ def test_gpu_compute_side_equals_the_grouped_gemm_twin():
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.gpu
+def test_gpu_pushes_land_each_run_at_its_receive_rows():
+    """The sending side for real on one GPU (each step's pushes into a local buffer, no semaphores): Mixtral's
+    hidden size, 4 ranks, runs of up to ~1000 rows (full 128-row boxes and ladders)."""
+    rng = np.random.default_rng(2)
+    n, g, d = 4, 2, 4096
+    counts = _counts(rng, n, g, 1000)
+    sends = _sends(rng, counts, d)
+    capacity = -(-int(max(counts[:, p].sum() for p in range(n))) // 8) * 8 + 64
+    starts = _send_starts(counts)
+    rank = 1
+    send = jnp.asarray(sends[rank], jnp.bfloat16)
+    push = jax.jit(lambda s, c: push_runs_locally(s, c, rank=rank, capacity=capacity, send_ctas=8))
+    out = np.asarray(push(send, jnp.asarray(counts, jnp.int32)), np.float32)
+    for j in range(n):
+        dest, run_start = (rank + j) % n, 0
+        for e in range(g):
+            for s in range(n):
+                c = counts[s, dest, e]
+                if s == rank:
+                    np.testing.assert_array_equal(out[j][run_start:run_start + c],
+                                                  np.asarray(send, np.float32)[starts[s, dest, e]:][:c])
+                run_start += c
+
+
 def _exchange_compile_report(topology: str) -> dict:
     """Compile only, for a mock topology of several GPUs (the one real GPU compiles, nothing runs)."""
     jax.config.update("jax_mock_gpu_topology", topology)

@@ -110,6 +110,30 @@ def test_bad_input_raises_clear_value_error(kwargs, match):
             return_rows_locally(h, counts, w, rank=0, rows=64, interpret=True)
 
 
+@pytest.mark.gpu
+def test_gpu_each_sources_rows_land_at_its_send_order_rows():
+    """The computing side for real on one GPU (each peer's stores into a local buffer, no semaphores), the
+    default tiles at Mixtral's down projection width, 4 ranks."""
+    n, g, f, d = 4, 2, 2048, 4096
+    rng = np.random.default_rng(4)
+    counts = _counts(rng, n, g, 700)
+    rank = 2
+    capacity = -(-int(counts[:, rank].sum()) // 8) * 8 + 256
+    rows = int(counts.sum(axis=(1, 2)).max()) + 8
+    h = jnp.asarray(rng.standard_normal((capacity, f)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, f, d)) / np.sqrt(f), jnp.bfloat16)
+    y = np.asarray(grouped_gemm_reference(h, w, jnp.asarray(counts[:, rank].sum(0), jnp.int32), jnp.float32))
+    out = np.asarray(jax.jit(lambda h, c, w: return_rows_locally(h, c, w, rank=rank, rows=rows))(
+        h, jnp.asarray(counts, jnp.int32), w), np.float32)
+    send_starts, run_starts = _send_starts(counts), _run_starts(counts, rank)
+    for j in range(n):
+        s = (rank + j) % n
+        for e in range(g):
+            c = counts[s, rank, e]
+            np.testing.assert_allclose(out[j][send_starts[s, rank, e]:][:c], y[run_starts[s, e]:][:c],
+                                       rtol=2e-2, atol=2e-2)
+
+
 def _exchange_compile_report(topology: str) -> dict:
     """Compile only, for a mock topology of several GPUs (the one real GPU compiles, nothing runs)."""
     jax.config.update("jax_mock_gpu_topology", topology)
