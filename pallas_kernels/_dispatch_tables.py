@@ -53,7 +53,9 @@ def tile_sources(table, num_valid, run_start_SG, counts_SG):
     row, first stored row inside the tile, stored rows), the first and last source whose run of the slot's
     expert overlaps the rows the slot stores: int32 [2, S]. Slots that store no rows of an expert (the tail,
     spare slots) get the empty range (0, -1). Runs of one expert are consecutive in source order, so the
-    sources a slot waits for are exactly this range (empty runs inside it cost a wait that is already met)."""
+    sources a slot needs are inside this range; a source inside it with an empty run is waited for too, and that
+    wait (all of that source's step for this rank) can end later than the rows need (a per-slot bitmask of the
+    sources with rows would avoid it)."""
     counts = jnp.maximum(counts_SG.astype(jnp.int32), 0)
     n, num_groups = counts.shape
     seg, row0, lo, count = table

@@ -146,19 +146,23 @@ def ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: Ge
             x_tile = x_gmem.at[pl.ds(row0, cfg.cta_m), k_part]   # the table keeps every tile inside [0, M)
             w_cols = pl.ds(ni * cfg.cta_n, cfg.cta_n)
             w_tile = w_gmem.at[seg].at[w_cols, k_part] if transpose_w else w_gmem.at[seg].at[k_part, w_cols]
-            cur["slot"] = slot
+            # the slot is set only once the pipelines are built, so that jax's probe of the index maps while
+            # building them traces no wait (as all_to_all_gemm.py sets its flag)
             if not chain:
-                pipeline(mma, context)(x_tile, w_tile, allocations=allocs)
+                run = pipeline(mma, context)
+                cur["slot"] = slot
+                run(x_tile, w_tile, allocations=allocs)
                 cur["slot"] = None
                 return
             first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
             state = jnp.where(first, int(plgpu.PipelinePipeline.START),
                               jnp.where(last, int(plgpu.PipelinePipeline.STOP),
                                         int(plgpu.PipelinePipeline.STEADY)))
+            plain, chained = pipeline(mma, context), pipeline(mma, context, state)
+            cur["slot"] = slot
             # one item on this SM: a plain pipeline (it both fills and drains)
-            pl.when(first & last)(lambda: pipeline(mma, context)(x_tile, w_tile, allocations=allocs))
-            pl.when(jnp.logical_not(first & last))(
-                lambda: pipeline(mma, context, state)(x_tile, w_tile, allocations=allocs))
+            pl.when(first & last)(lambda: plain(x_tile, w_tile, allocations=allocs))
+            pl.when(jnp.logical_not(first & last))(lambda: chained(x_tile, w_tile, allocations=allocs))
             cur["slot"] = None
 
         # The zero tail (rows past sum(group_sizes)) is stored straight from zeros: no loads, no MMA, so an

@@ -9,9 +9,12 @@ GEMM row tile then depends on the one or two sources whose runs it covers, not o
 this rank's runs, step j to rank r + j (the ranks write distinct peers at a time), in TMA boxes of 128 rows (a
 run's last rows as a binary ladder of 64, 32, ..., 1), HBM -> SMEM -> the peer's HBM, point to point over
 NVLink (`plgpu.remote_ref`; never NVLink multicast), and signal the peer's step-j semaphore once per CTA and
-step. The other CTAs run the grouped GEMM work items (`_ragged_body.py`, the plain kernel's body) over the
-receive buffer; a work item's memory warpgroup waits, right before its first load, for the sources its rows
-come from (`tile_sources`; a non-decrementing wait, so every item may wait).
+step (after which each sending CTA waits for every peer's signals too, so that no signal lands after the
+kernel ends). The other CTAs run the grouped GEMM work items (`_ragged_body.py`, the plain kernel's body) over
+the receive buffer; a work item's memory warpgroup waits, right before its first load, for the sources its rows
+come from (`tile_sources`; a non-decrementing wait, so every item may wait). A wait covers a source's whole
+step for this rank (all its experts' runs), not one run; steps are ordered so that the ranks write distinct
+peers at a time when they run in step.
 
     y_RN, recv_RD, group_sizes_G = all_gather_grouped_gemm(send_MD, counts_SPG, w_GDN, axis=...)
 
@@ -67,10 +70,12 @@ def _runs_table(counts_SPG, rank, d: int, send_ctas: int):
     return jnp.stack([send_start, dest_start, count, unit0 % send_ctas]).astype(jnp.int32)
 
 
-def _push_runs(send_gmem, runs_ref, bufs, loaded, *, n: int, rank, cta, send_ctas: int, target, signal):
+def _push_runs(send_gmem, runs_ref, bufs, loaded, *, n: int, rank, cta, send_ctas: int, target, signal, drain=None):
     """One sending CTA (warpgroup 0): for each step j its units of the runs for rank + j, each box loaded
     into SMEM and stored into `target(j, dest)` at the run's receive rows; then `signal(j, dest)` (None: no
-    signal). Two SMEM slots: a box's load waits only for the store two boxes back to have read its slot."""
+    signal); at the end `drain()`. Two SMEM slots: a box's load waits only for the store two boxes back to have
+    read its slot. Each load is waited for at once (one load and one store in flight per CTA): untuned; a ring of
+    loads running ahead, as all_to_all_gemm.py's sender keeps, is the first thing to try when it is measured."""
     d = send_gmem.shape[1]
     cols_box = _send_cols(d)
     col_boxes = d // cols_box
@@ -113,6 +118,8 @@ def _push_runs(send_gmem, runs_ref, bufs, loaded, *, n: int, rank, cta, send_cta
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)   # this step's boxes have landed
         if signal is not None:
             signal(j, dest)
+    if drain is not None:
+        drain()
 
 
 def _sender_scope(body):
@@ -146,6 +153,13 @@ def _kernel(table_ref, num_valid_ref, tile_src_ref, runs_ref, x_gmem, w_gmem, y_
         else:
             pl.semaphore_signal(sems[j], device_id={axis: dest})
 
+    def drain():
+        # Every sender signals every peer, but a receiver's work items wait only for the sources they read: this
+        # rank must not end its kernel while a peer's signal is still on its way into this launch's semaphores
+        # (they are a per-call scratch buffer, dropped after it). Non-decrementing, like the items' waits.
+        for j in range(n):
+            pl.semaphore_wait(sems[j], send_ctas, decrement=False)
+
     def wait_for_sources(slot):   # source s = rank - j arrived when its step-j senders have all signalled
         first, last = tile_src_ref[0, slot], tile_src_ref[1, slot]
         for j in range(n):
@@ -154,7 +168,7 @@ def _kernel(table_ref, num_valid_ref, tile_src_ref, runs_ref, x_gmem, w_gmem, y_
 
     target = lambda j, dest: recv_gmem if j == 0 else plgpu.remote_ref(recv_gmem, {axis: dest})  # noqa: E731
     pl.when(cta < send_ctas)(lambda: _sender_scope(_push_runs)(
-        x_gmem, runs_ref, n=n, rank=rank, cta=cta, send_ctas=send_ctas, target=target, signal=signal))
+        x_gmem, runs_ref, n=n, rank=rank, cta=cta, send_ctas=send_ctas, target=target, signal=signal, drain=drain))
     pl.when(cta >= send_ctas)(lambda: ragged_kernel(
         table_ref, num_valid_ref, recv_gmem, w_gmem, y_gmem, cfg=cfg, transpose_w=False,
         ctas=(send_ctas, num_sms - send_ctas), before_slot=wait_for_sources))
