@@ -91,16 +91,16 @@ def measure_row(mesh, n, hidden, top_k, args, dtype):
             row["variants"][label] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
             continue
         got = np.asarray(out, np.float64)
-        entry = dict(ms=round(seconds * 1e3, 4), routed_gbps=round(routed / seconds / 1e9, 2),
-                     wire_gbps=round(row["wire_bytes_per_gpu"] / seconds / 1e9, 2))
+        entry = dict(ms=float(f"{seconds * 1e3:.4g}"), routed_gbps=float(f"{routed / seconds / 1e9:.4g}"),
+                     wire_gbps=float(f"{row['wire_bytes_per_gpu'] / seconds / 1e9:.4g}"))
         if label != "nccl":   # the round trip returns each token's own row (the weights sum to 1)
             ref = got if ref is None else ref
             entry["rel_err_vs_all_to_all"] = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
             entry["rel_err_vs_input"] = float(np.linalg.norm(got - np.asarray(x, np.float64)) /
                                               np.linalg.norm(np.asarray(x, np.float64)))
         row["variants"][label] = entry
-        print(f"h={hidden} k={top_k} {label:15s} {seconds * 1e3:8.3f} ms  routed {entry['routed_gbps']:8.2f} GB/s  "
-              f"wire {entry['wire_gbps']:8.2f} GB/s", flush=True)
+        print(f"h={hidden} k={top_k} {label:15s} {seconds * 1e3:8.3f} ms  routed {entry['routed_gbps']:8.4g} GB/s  "
+              f"wire {entry['wire_gbps']:8.4g} GB/s", flush=True)
     return row
 
 

@@ -36,7 +36,7 @@ def _run_starts(counts, rank):
 
 
 def test_interpret_each_sources_rows_land_at_its_send_order_rows_and_nowhere_else():
-    """Two of three ranks (each stores to every peer, itself included), runs longer than a 64-row tile."""
+    """One of three ranks (it stores to every peer, itself included), runs longer than a 64-row tile."""
     n, g = 3, 2
     rng = np.random.default_rng(23)
     counts = _counts(rng, n, g, 50)
@@ -45,7 +45,7 @@ def test_interpret_each_sources_rows_land_at_its_send_order_rows_and_nowhere_els
     rows = int(counts.sum(axis=(1, 2)).max()) + 8
     w = jnp.asarray(rng.standard_normal((g, f, d)) / np.sqrt(f), jnp.bfloat16)
     send_starts = _send_starts(counts)
-    for rank in (0, 2):
+    for rank in (1,):
         h = jnp.asarray(rng.standard_normal((capacity, f)), jnp.bfloat16)
         y = np.asarray(grouped_gemm_reference(h, w, jnp.asarray(counts[:, rank].sum(0), jnp.int32), jnp.float32))
         out = np.asarray(return_rows_locally(h, jnp.asarray(counts, jnp.int32), w, rank=rank, rows=rows, tiling=SMALL,

@@ -34,7 +34,6 @@ def _rel_err(got, want):
 
 CASES = {
     "ragged_with_tail": (200, [50, 0, 7, 100, 0, 23]),           # empty groups, sizes off the tile, a tail
-    "all_in_one_group": (136, [0, 136, 0]),
     "rows_not_a_multiple_of_8": (203, [50, 0, 7, 100, 60]),      # padded by the launcher, the last group cut
     "fewer_rows_than_a_tile": (40, [10, 0, 25, 9]),
 }
