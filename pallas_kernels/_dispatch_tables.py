@@ -9,6 +9,7 @@ counts_SPG[s, p, e] (rows of source s routed to local expert e of rank p) before
   * `receive_layout(counts_SG)`: a receiver's group sizes and the first row of each (source, expert) run;
   * `send_runs(counts_SPG, rank)`: for a sender, each (destination, expert) run's first row in its own
     (destination, expert)-sorted send buffer and in the destination's receive buffer;
+  * `receive_work(counts_SPG, rank, ...)`: the three above as a receiver's grouped GEMM runs on them;
   * `tile_sources(...)`: for each work slot of `row_tile_table` over the receive buffer, the range of sources
     whose rows it stores (the sources the slot must wait for).
 The kernel that consumes them is all_gather_grouped_gemm.py; parallel/expert_runs.py moves rows in the same
@@ -19,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._work_tables import prefix_sum
+from pallas_kernels._work_tables import prefix_sum, row_tile_table
 
 
 def _exclusive_prefix(v):
@@ -71,3 +72,13 @@ def tile_sources(table, num_valid, run_start_SG, counts_SG):
     last = jnp.max(jnp.where(overlaps, src, -1), axis=0)
     keep = is_expert & (last >= 0)
     return jnp.stack([jnp.where(keep, first, 0), jnp.where(keep, last, -1)]).astype(jnp.int32)
+
+
+def receive_work(counts_SPG, rank, capacity: int, tile: int, with_tail: bool = True):
+    """What a receiver's grouped GEMM runs on: (group_sizes_G, table, num_valid, tile_src): its rows per local
+    expert, `row_tile_table` over its `capacity` receive rows in `tile`-row tiles (with or without the zero
+    tail), and each slot's `tile_sources`."""
+    counts_SG = jnp.maximum(counts_SPG[:, rank, :].astype(jnp.int32), 0)
+    group_sizes, run_start = receive_layout(counts_SG)
+    table, num_valid = row_tile_table(group_sizes, capacity, tile, with_tail=with_tail)
+    return group_sizes, table, num_valid, tile_sources(table, num_valid, run_start, counts_SG)

@@ -161,6 +161,16 @@ def default_kernel_tuning(kernel: str, k: int, n: int) -> GroupedGemmTuning:
     return dataclasses.replace(GroupedGemmTuning(), **{kernel: fit})
 
 
+def persistent_kernel(body, out_type, num_sms: int, interpret: bool):
+    """The launch every grouped-GEMM-tile kernel shares: a persistent grid of `num_sms` CTAs ('sm'), each with
+    the compute warpgroups and one memory warpgroup ('wg'), warpgroup lowering; `interpret` runs it in the
+    CPU interpreter. Returns the callable of the kernel's operands."""
+    return plgpu.kernel(
+        body, out_type=out_type, grid=(num_sms,), grid_names=("sm",), num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg", compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else False)
+
+
 def sm_count(interpret: bool) -> int:
     """The persistent grid's size: the device's SMs, or INTERPRET_NUM_SMS in the CPU interpreter."""
     return INTERPRET_NUM_SMS if interpret else jax.devices()[0].core_count
@@ -183,10 +193,11 @@ def fit_smem(cfg: GemmTiling, stage_elems: int, out_dtype) -> GemmTiling:
     return dataclasses.replace(cfg, max_concurrent_steps=steps)
 
 
-def fit_ragged_tiling(cfg, k_dim: int, out_dtype):
+def fit_ragged_tiling(cfg, k_dim: int, out_dtype, operand_cols: int | None = None):
     """The forward / input-gradient tiles as they run: pipeline depth fitted to SMEM, and chained pipelines
-    only where a depth >= 2 divides the K steps."""
-    cfg = fit_smem(cfg, (cfg.cta_m + cfg.cta_n) * cfg.tile_k, out_dtype)
+    only where a depth >= 2 divides the K steps. `operand_cols`: the weight columns one stage holds (default
+    cta_n; a kernel with two weight operands holds twice its tile)."""
+    cfg = fit_smem(cfg, (cfg.cta_m + (operand_cols or cfg.cta_n)) * cfg.tile_k, out_dtype)
     if cfg.chain_items:   # chained pipelines need the K steps (of one split) to be a multiple of the depth
         steps = k_dim // cfg.tile_k // cfg.split_k
         depths = [s for s in range(cfg.max_concurrent_steps, 1, -1) if steps % s == 0]

@@ -37,12 +37,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._dispatch_tables import receive_layout, send_runs, tile_sources
-from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, check_dtypes, default_tuning,
-                                           fit_ragged_tiling, sm_count)
+from pallas_kernels._dispatch_tables import receive_layout, receive_work, send_runs
+from pallas_kernels._grouped_tiles import (GemmTiling, check_dtypes, default_tuning, fit_ragged_tiling,
+                                           persistent_kernel, sm_count)
 from pallas_kernels._peer_checks import check_exchange_runnable
 from pallas_kernels._ragged_body import ragged_kernel
-from pallas_kernels._work_tables import ROW_ALIGN, prefix_sum, row_tile_table
+from pallas_kernels._work_tables import ROW_ALIGN, prefix_sum
 from pallas_kernels.grouped_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
 from pallas_kernels.grouped_gemm_reference import grouped_gemm_reference
 from pallas_kernels.run_exchange_reference import return_runs
@@ -174,13 +174,6 @@ def _kernel(table_ref, num_valid_ref, tile_src_ref, runs_ref, x_gmem, w_gmem, y_
         ctas=(send_ctas, num_sms - send_ctas), before_slot=wait_for_sources))
 
 
-def _launch(operands, out_types, body, num_sms, interpret):
-    kernel = plgpu.kernel(
-        body, out_type=out_types, grid=(num_sms,), grid_names=("sm",), num_threads=NUM_COMPUTE_WGS + 1,
-        thread_name="wg", compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=plgpu.InterpretGPUParams() if interpret else False)
-    return kernel(*operands)
-
 
 def _validate(send_MD, counts_SPG, w_GDN, capacity, tiling, send_ctas):
     if send_MD.ndim != 2 or w_GDN.ndim != 3 or counts_SPG.ndim != 3:
@@ -206,13 +199,6 @@ def _validate(send_MD, counts_SPG, w_GDN, capacity, tiling, send_ctas):
     if send_ctas < 0:
         raise ValueError(f"send_ctas={send_ctas} must be >= 0")
     return cfg
-
-
-def _tables(counts_SPG, rank, capacity, cfg):
-    counts_SG = counts_SPG[:, rank, :]
-    group_sizes, run_start = receive_layout(counts_SG)
-    table, num_valid = row_tile_table(group_sizes, capacity, cfg.cta_m)
-    return group_sizes, table, num_valid, tile_sources(table, num_valid, run_start, counts_SG)
 
 
 def all_gather_grouped_gemm_reference(send_MD, counts_SPG, w_GDN, *, axis, capacity: int):
@@ -256,11 +242,11 @@ def all_gather_grouped_gemm(send_MD, counts_SPG, w_GDN, *, axis, capacity: int, 
             raise ValueError(f"exchange=False takes the receive buffer [capacity={capacity}, D] (got "
                              f"{send_MD.shape}) and 0 <= send_ctas < {sms} (got {send_ctas})")
         rank = lax.axis_index(axis) if axis is not None else 0
-        _, table, num_valid, tile_src = _tables(counts_SPG, rank, capacity, cfg)
+        _, table, num_valid, tile_src = receive_work(counts_SPG, rank, capacity, cfg.cta_m)
         body = functools.partial(_kernel, cfg=cfg, n=n, axis=axis, exchange=False, num_sms=sms, send_ctas=send_ctas)
         runs = jnp.zeros((4, n, w_GDN.shape[0]), jnp.int32)
-        y = _launch((table, num_valid, tile_src, runs, send_MD, w_GDN),
-                    jax.ShapeDtypeStruct((capacity, w_GDN.shape[2]), send_MD.dtype), body, sms, interpret)
+        y = persistent_kernel(body, jax.ShapeDtypeStruct((capacity, w_GDN.shape[2]), send_MD.dtype), sms, interpret)(
+            table, num_valid, tile_src, runs, send_MD, w_GDN)
         return vary_like(y, send_MD, w_GDN)
     check_exchange_runnable("all_gather_grouped_gemm", interpret=interpret, ranks=n, operand="counts_SPG", axis=axis)
     sms = num_sms or sm_count(False)
@@ -273,13 +259,13 @@ def all_gather_grouped_gemm(send_MD, counts_SPG, w_GDN, *, axis, capacity: int, 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def _exchanged(send_MD, counts_SPG, w_GDN, cfg, axis, capacity, num_sms, send_ctas, source_rows):
     n, rank = counts_SPG.shape[0], lax.axis_index(axis)
-    group_sizes, table, num_valid, tile_src = _tables(counts_SPG, rank, capacity, cfg)
+    group_sizes, table, num_valid, tile_src = receive_work(counts_SPG, rank, capacity, cfg.cta_m)
     runs = _runs_table(counts_SPG, rank, send_MD.shape[1], send_ctas)
     body = functools.partial(_kernel, cfg=cfg, n=n, axis=axis, exchange=True, num_sms=num_sms, send_ctas=send_ctas)
     # the receive buffer is an output: remote refs reach a kernel's own buffers only
     out_types = (jax.ShapeDtypeStruct((capacity, w_GDN.shape[2]), send_MD.dtype),
                  jax.ShapeDtypeStruct((capacity, send_MD.shape[1]), send_MD.dtype))
-    y, recv = _launch((table, num_valid, tile_src, runs, send_MD, w_GDN), out_types, body, num_sms, False)
+    y, recv = persistent_kernel(body, out_types, num_sms, False)(table, num_valid, tile_src, runs, send_MD, w_GDN)
     total = jnp.sum(group_sizes)   # the receive buffer's tail was never written: zeros, as the twin's
     recv = jnp.where(jnp.arange(capacity)[:, None] < total, recv, jnp.zeros((), recv.dtype))
     # typed as varying along the inputs' axes and `axis` (a Pallas call's outputs come back typed replicated)
@@ -328,4 +314,5 @@ def push_runs_locally(send_MD, counts_SPG, *, rank: int, capacity: int, send_cta
         _sender_scope(_push_runs)(send_gmem, runs_ref, n=n, rank=rank, cta=lax.axis_index("sm"), send_ctas=send_ctas,
                                   target=lambda j, dest: out_gmem.at[j], signal=None)
 
-    return _launch((runs, send_MD), jax.ShapeDtypeStruct((n, capacity, d), send_MD.dtype), body, send_ctas, interpret)
+    return persistent_kernel(body, jax.ShapeDtypeStruct((n, capacity, d), send_MD.dtype), send_ctas, interpret)(
+        runs, send_MD)

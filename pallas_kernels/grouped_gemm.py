@@ -33,7 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedGemmTuning, check_dtypes,
                                            check_group_sizes, check_tiling, check_tuning_enums, default_kernel_tuning,
                                            default_tuning, epilogue_smem, fit_ragged_tiling, fit_smem, mask_token_rows,
-                                           sm_count, store_rows, swizzle_transforms, warpgroup_tile)
+                                           persistent_kernel, sm_count, store_rows, swizzle_transforms, warpgroup_tile)
 from pallas_kernels._ragged_body import ragged_kernel
 from pallas_kernels._work_tables import ROW_ALIGN, cut_group_sizes, row_tile_table, token_block_table
 from pallas_kernels.grouped_gemm_reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
@@ -114,12 +114,7 @@ def _weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTiling)
 # Launchers (one persistent grid over the SMs)
 # ----------------------------------------------------------------------------------------------------
 def _launch(body, out_shape, out_dtype, num_sms, interpret, *operands):
-    kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        grid=(num_sms,), grid_names=("sm",), num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=plgpu.InterpretGPUParams() if interpret else False)
-    return kernel(*operands)
+    return persistent_kernel(body, jax.ShapeDtypeStruct(out_shape, out_dtype), num_sms, interpret)(*operands)
 
 
 def _num_sms(tuning: GroupedGemmTuning, interpret: bool) -> int:

@@ -30,12 +30,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._dispatch_tables import receive_layout, send_runs, tile_sources
+from pallas_kernels._dispatch_tables import receive_layout, receive_work, send_runs
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, check_dtypes, default_tuning,
-                                           fit_ragged_tiling, sm_count, store_rows)
+                                           fit_ragged_tiling, persistent_kernel, sm_count, store_rows)
 from pallas_kernels._peer_checks import check_exchange_runnable
 from pallas_kernels._ragged_body import ragged_kernel
-from pallas_kernels._work_tables import ROW_ALIGN, row_tile_table
+from pallas_kernels._work_tables import ROW_ALIGN
 from pallas_kernels.grouped_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
 from pallas_kernels.grouped_gemm_reference import grouped_gemm_reference
 from pallas_kernels.run_exchange_reference import receive_runs
@@ -104,13 +104,6 @@ def _kernel(table_ref, num_valid_ref, tile_src_ref, back_ref, h_gmem, w_gmem, re
             pl.semaphore_wait(sems[j], NUM_COMPUTE_WGS * lax.axis_size("sm"))
 
 
-def _launch(body, operands, out_type, num_sms, interpret):
-    kernel = plgpu.kernel(
-        body, out_type=out_type, grid=(num_sms,), grid_names=("sm",), num_threads=NUM_COMPUTE_WGS + 1,
-        thread_name="wg", compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=plgpu.InterpretGPUParams() if interpret else False)
-    return kernel(*operands)
-
 
 def _validate(h_RF, counts_SPG, w_GFD, tiling):
     if h_RF.ndim != 2 or w_GFD.ndim != 3 or counts_SPG.ndim != 3:
@@ -135,10 +128,9 @@ def _validate(h_RF, counts_SPG, w_GFD, tiling):
 
 
 def _tables(counts_SPG, rank, capacity, cfg):
-    counts_SG = jnp.maximum(counts_SPG[:, rank, :], 0)
-    group_sizes, run_start = receive_layout(counts_SG)
-    table, num_valid = row_tile_table(group_sizes, capacity, cfg.cta_m, with_tail=False)
-    return table, num_valid, tile_sources(table, num_valid, run_start, counts_SG), _return_table(counts_SPG, rank)
+    """The receiver's work without the zero tail (its rows belong to no source) and the return table."""
+    _, table, num_valid, tile_src = receive_work(counts_SPG, rank, capacity, cfg.cta_m, with_tail=False)
+    return table, num_valid, tile_src, _return_table(counts_SPG, rank)
 
 
 def grouped_gemm_reduce_scatter_reference(h_RF, counts_SPG, w_GFD, *, axis, rows: int):
@@ -180,8 +172,8 @@ def _exchanged(h_RF, counts_SPG, w_GFD, cfg, axis, rows, num_sms, source_rows):
     n, rank = counts_SPG.shape[0], lax.axis_index(axis)
     table, num_valid, tile_src, back = _tables(counts_SPG, rank, h_RF.shape[0], cfg)
     body = functools.partial(_kernel, cfg=cfg, n=n, axis=axis)
-    ret = _launch(body, (table, num_valid, tile_src, back, h_RF, w_GFD),
-                  jax.ShapeDtypeStruct((rows, w_GFD.shape[2]), h_RF.dtype), num_sms, False)
+    ret = persistent_kernel(body, jax.ShapeDtypeStruct((rows, w_GFD.shape[2]), h_RF.dtype), num_sms, False)(
+        table, num_valid, tile_src, back, h_RF, w_GFD)
     total = jnp.sum(jnp.maximum(counts_SPG[rank], 0))   # rows past the routed ones were never written
     ret = jnp.where(jnp.arange(rows)[:, None] < total, ret, jnp.zeros((), ret.dtype))
     return vary_like(ret, h_RF, w_GFD, axes=(axis,))
@@ -221,6 +213,6 @@ def return_rows_locally(h_RF, counts_SPG, w_GFD, *, rank: int, rows: int, tiling
     n = counts_SPG.shape[0]
     table, num_valid, tile_src, back = _tables(counts_SPG, rank, h_RF.shape[0], cfg)
     body = functools.partial(_kernel, cfg=cfg, n=n, axis=None, rank=rank)
-    return _launch(body, (table, num_valid, tile_src, back, h_RF, w_GFD),
-                   jax.ShapeDtypeStruct((n, rows, w_GFD.shape[2]), h_RF.dtype), num_sms or sm_count(interpret),
-                   interpret)
+    out = jax.ShapeDtypeStruct((n, rows, w_GFD.shape[2]), h_RF.dtype)
+    return persistent_kernel(body, out, num_sms or sm_count(interpret), interpret)(
+        table, num_valid, tile_src, back, h_RF, w_GFD)

@@ -33,7 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, check_dtypes, check_group_sizes, epilogue_smem,
-                                           fit_smem, sm_count, stage_zeros, store_rows, swizzle_transforms)
+                                           fit_ragged_tiling, persistent_kernel, sm_count, stage_zeros, store_rows,
+                                           swizzle_transforms)
 from pallas_kernels._work_tables import ROW_ALIGN, TABLE_METHODS, cut_group_sizes, row_tile_table
 from pallas_kernels.grouped_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
 from pallas_kernels.grouped_gemm_reference import grouped_gemm_reference
@@ -151,22 +152,10 @@ def _kernel(table_ref, num_valid_ref, x_gmem, wg_gmem, wu_gmem, h_gmem, g_gmem, 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _fit(tiling: SwigluTiling, k: int, dtype) -> GemmTiling:
-    cfg = tiling.gemm_tiling()
-    # one stage holds the x tile and both weights' tiles
-    cfg = fit_smem(cfg, (cfg.cta_m + 2 * cfg.tile_n) * cfg.tile_k, dtype)
-    if cfg.chain_items:
-        steps = k // cfg.tile_k
-        depths = [s for s in range(cfg.max_concurrent_steps, 1, -1) if steps % s == 0]
-        cfg = dataclasses.replace(cfg, max_concurrent_steps=depths[0]) if depths else \
-            dataclasses.replace(cfg, chain_items=False)
-    return cfg
-
-
 def _launch(x, w_gate, w_up, group_sizes, tiling: SwigluTiling, interpret: bool):
     m, k = x.shape
     f = w_gate.shape[2]
-    cfg = _fit(tiling, k, x.dtype)
+    cfg = fit_ragged_tiling(tiling.gemm_tiling(), k, x.dtype, operand_cols=2 * tiling.cols)   # x + both weights
     # rows padded to a multiple of ROW_ALIGN and at least one tile, as grouped_gemm.py's launcher does
     m_run = max(-(-m // ROW_ALIGN) * ROW_ALIGN, cfg.cta_m)
     x_in, sizes = x, group_sizes
@@ -174,11 +163,8 @@ def _launch(x, w_gate, w_up, group_sizes, tiling: SwigluTiling, interpret: bool)
         x_in, sizes = jnp.pad(x, ((0, m_run - m), (0, 0))), cut_group_sizes(group_sizes, m, method=tiling.tables)
     table, num_valid = row_tile_table(sizes, m_run, cfg.cta_m, with_tail=True, method=tiling.tables)
     out = jax.ShapeDtypeStruct((m_run, f), x.dtype)
-    kernel = plgpu.kernel(
-        functools.partial(_kernel, cfg=cfg), out_type=(out, out, out),
-        grid=(tiling.num_sms or sm_count(interpret),), grid_names=("sm",), num_threads=NUM_COMPUTE_WGS + 1,
-        thread_name="wg", compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=plgpu.InterpretGPUParams() if interpret else False)
+    kernel = persistent_kernel(functools.partial(_kernel, cfg=cfg), (out, out, out), tiling.num_sms or sm_count(interpret),
+                               interpret)
     return tuple(o[:m] for o in kernel(table, num_valid, x_in, w_gate, w_up))
 
 

@@ -33,19 +33,24 @@ def _cached_run(moe_layer, extra):
     return trainer, jax.device_get(_loss_and_grads(trainer, state, _batch(trainer)))
 
 
-@pytest.mark.parametrize("intra", [4, 8])
-def test_ring_schedule_equals_the_all_gather_dispatch(intra):
-    trainer, (loss_r, metrics_r, grads_r) = _run("fused", **{"parallel.intra": intra})
-    assert type(trainer.layout.ffn).__name__ == "RingAllGatherDispatch"
-    assert type(trainer.layout.attention).__name__ == "RingUlyssesAttention"   # the attention ring runs too
-    _, (loss_a, metrics_a, grads_a) = _run("autodiff", **{"parallel.intra": intra})
+def _assert_equals_unfused(fused, unfused):
+    """Loss, MoE stats and every gradient of a fused run against the unfused all_gather run (fp32)."""
+    (loss_r, metrics_r, grads_r), (loss_a, metrics_a, grads_a) = fused, unfused
     assert float(loss_r) == pytest.approx(float(loss_a), rel=1e-5)
     np.testing.assert_array_equal(metrics_r["tokens_per_expert"], metrics_a["tokens_per_expert"])
     assert int(metrics_r["dropped_tokens"]) == int(metrics_a["dropped_tokens"]) == 0
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads_r), jax.tree.leaves(grads_a)):
         scale = float(np.abs(want).max())
-        assert scale > 0, jax.tree_util.keystr(path)   # router and experts get gradients through the ring
+        assert scale > 0, jax.tree_util.keystr(path)   # router and experts get gradients through the exchange
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("intra", [4, 8])
+def test_ring_schedule_equals_the_all_gather_dispatch(intra):
+    trainer, fused = _run("fused", **{"parallel.intra": intra})
+    assert type(trainer.layout.ffn).__name__ == "RingAllGatherDispatch"
+    assert type(trainer.layout.attention).__name__ == "RingUlyssesAttention"   # the attention ring runs too
+    _assert_equals_unfused(fused, _run("autodiff", **{"parallel.intra": intra})[1])
 
 
 def test_ring_schedule_in_bf16_stays_near_the_unfused_accuracy():
@@ -98,16 +103,9 @@ def test_runs_exchange_equals_the_all_gather_dispatch(intra):
     the fused AG + grouped GEMM kernel, moved by one all-to-all each way): loss, stats, every gradient. At intra 8
     (one expert per rank; intra 4, two per rank, ran equal too: left out for the suite's time; the layout's
     several-experts-per-rank case is in tests/kernels/test_all_gather_grouped_gemm.py's twin test)."""
-    trainer, (loss_r, metrics_r, grads_r) = _run("fused", **{"parallel.intra": intra,
-                                                             "parallel.dispatch_exchange": "runs"})
+    trainer, fused = _run("fused", **{"parallel.intra": intra, "parallel.dispatch_exchange": "runs"})
     assert type(trainer.layout.ffn).__name__ == "ExpertRunsDispatch"
-    _, (loss_a, metrics_a, grads_a) = _run("autodiff", **{"parallel.intra": intra})
-    assert float(loss_r) == pytest.approx(float(loss_a), rel=1e-5)
-    np.testing.assert_array_equal(metrics_r["tokens_per_expert"], metrics_a["tokens_per_expert"])
-    assert int(metrics_r["dropped_tokens"]) == int(metrics_a["dropped_tokens"]) == 0
-    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads_r), jax.tree.leaves(grads_a)):
-        scale = float(np.abs(want).max())
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+    _assert_equals_unfused(fused, _run("autodiff", **{"parallel.intra": intra})[1])
 
 
 def test_the_dispatch_exchange_needs_the_fused_schedule_and_mosaic_a_gpu():
