@@ -8,7 +8,10 @@ GOAL_SHAPES = {"goal_mixtral": (32768, 4096, 14336, 8), "goal_fine_grained": (81
 MODELS = {"internal_352b": (4096, 14336, 32, 3), "mixtral_8x7b": (4096, 14336, 8, 2),
           "mixtral_8x22b": (6144, 16384, 8, 2), "phi_3_5_moe": (4096, 6400, 16, 2),
           "deepseekmoe_16b": (2048, 1408, 64, 6), "hunyuan_large": (6400, 18304, 16, 1)}
-ROUTINGS = ("uniform", "skewed", "half_empty", "padded")
+TABLE_ROUTINGS = ("uniform", "skewed", "half_empty", "padded")   # the table's rows
+# "random": a balanced router's group sizes (multinomial, equal probabilities, fixed seed): sizes that are
+# not tile multiples, as real routing gives (uniform's M / G is often an exact multiple of the row tile)
+ROUTINGS = TABLE_ROUTINGS + ("random",)
 
 # ---------------------------------------------------------------------------------------------------
 # Issue 10's table. Expert up-projection per device: x [M, K=hidden] @ w [G, K, N=expert FFN].
@@ -32,13 +35,13 @@ ISSUE10_MODELS = {  # (hidden K, expert FFN N, routed experts E, top_k)
 # baseline is shared with the EP1 row. The last two rows go beyond the issue's minimum (EP8 for every
 # model); --time-budget-s cuts them first.
 ISSUE10_ROWS = [
-    ("mixtral_8x7b", 1, ROUTINGS, TOKENS_PER_DEVICE),
+    ("mixtral_8x7b", 1, TABLE_ROUTINGS, TOKENS_PER_DEVICE),
     ("mixtral_8x7b", 8, ("uniform", "padded"), TOKENS_PER_DEVICE),
     ("mixtral_8x22b", 1, ("uniform",), TOKENS_PER_DEVICE),
     ("deepseekmoe_16b", 1, ("uniform",), TOKENS_PER_DEVICE),
-    ("qwen3_30b_a3b", 1, ROUTINGS, TOKENS_PER_DEVICE),
+    ("qwen3_30b_a3b", 1, TABLE_ROUTINGS, TOKENS_PER_DEVICE),
     ("qwen3_30b_a3b", 8, ("uniform", "padded"), TOKENS_PER_DEVICE),
-    ("deepseek_v3", 8, ROUTINGS, TOKENS_PER_DEVICE),
+    ("deepseek_v3", 8, TABLE_ROUTINGS, TOKENS_PER_DEVICE),
     ("mixtral_8x22b", 8, ("uniform",), TOKENS_PER_DEVICE),
     ("deepseekmoe_16b", 8, ("uniform",), TOKENS_PER_DEVICE),
 ]
@@ -72,6 +75,8 @@ def group_sizes_for(m, g, routing):
         sizes = np.where(full, m // int(full.sum()), 0)
         sizes[np.flatnonzero(full)[-1]] += m - sizes.sum()
         return sizes.astype(np.int32)
+    if routing == "random" and g > 1:
+        return np.random.default_rng(0).multinomial(m, np.full(g, 1.0 / g)).astype(np.int32)
     if routing == "uniform" or g == 1:
         sizes = np.full(g, m // g)
     elif routing == "skewed":
@@ -85,7 +90,7 @@ def group_sizes_for(m, g, routing):
 
 
 def routing_applies(routing, g):
-    return g > 1 or routing in ("uniform", "padded")   # skewed / half_empty need two groups
+    return g > 1 or routing in ("uniform", "padded")   # skewed / half_empty / random need two groups
 
 
 def make_case(shape, m, k, n, g, routing, **extra):

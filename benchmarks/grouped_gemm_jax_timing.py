@@ -288,7 +288,7 @@ def measure_case(case, x, w, dy, impls, args, results, torch_res):
             print(f"  {name} {routing} timing rounds FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         save_json(args, results + [row])
     cache_dense(row, case, dense_key)
-    if args.sweep and (name.startswith("goal") or args.suite) and routing in ("uniform", "half_empty", "padded"):
+    if args.sweep and (name.startswith("goal") or args.suite):
         for cfg in sweep_tilings(n, k):
             tuning = dataclasses.replace(default_tuning(m, k, n, g), fwd=cfg)
             f = jax.jit(lambda x, w, gs, t=tuning: grouped_gemm(x, w, gs, tuning=t, interpret=args.interpret))

@@ -135,12 +135,31 @@ def default_tuning(m: int, k: int, n: int, num_groups: int) -> GroupedGemmTuning
       * the input gradient follows the same rule with its own roles (it reduces over N and writes K columns):
         Mixtral's gate/up dgrad (reduction 14336) 708 vs 690 TFLOP/s with 128-wide steps, DeepSeek-V3's
         (reduction 2048, below the rule) 661 vs 659, Qwen3's (768) 567 vs 616 (grouped_gemm_backward_sweep_h200.json);
-        chained dgrad items measured within 1.6% either way (690.6 / 626.3 / 658.2 vs 690.4 / 615.8 / 659.2): off."""
-    del m, num_groups
+        chained dgrad items measured within 1.6% either way (690.6 / 626.3 / 658.2 vs 690.4 / 615.8 / 659.2): off;
+      * few rows per group (M / G <= SMALL_GROUP_ROWS) where the output width falls back to 256-row CTAs: 128-row
+        CTAs instead (`_rows_for_small_groups`)."""
+    rows_per_group = m / max(num_groups, 1)
     fwd = _long_reduction_steps(fit_tiling(GemmTiling(chain_items=True), n, "N"), reduction=k, out_cols=n)
     dgrad = _long_reduction_steps(fit_tiling(GemmTiling(), k, "K"), reduction=n, out_cols=k)
     wgrad = fit_wgrad_tiling(GemmTiling(), k, n)
-    return GroupedGemmTuning(fwd=fwd, dgrad=dgrad, wgrad=wgrad)
+    return GroupedGemmTuning(fwd=_rows_for_small_groups(fwd, n, rows_per_group),
+                             dgrad=_rows_for_small_groups(dgrad, k, rows_per_group), wgrad=wgrad)
+
+
+# A group's last row tile is partly empty: about half a CTA tile of wasted rows per group on average. An output
+# width that is not a multiple of 256 (DeepSeekMoE's 1408) falls back to warpgroups stacked along M (CTA
+# 256 x 128), which wastes 128 rows per group where 128-row CTAs waste 64 but run ~4% slower per row on full
+# tiles (uniform DeepSeekMoE EP1, 768 rows per group: 612 vs 590 TFLOP/s). Break-even: 0.04 M = 61 G rows,
+# M / G ~ 1536. M / G is the buffer's rows per group, an upper bound of the routed rows (an EP receive
+# buffer's tail makes it larger): measured in benchmarks/results/grouped_gemm_small_groups_h200.json.
+SMALL_GROUP_ROWS = 1536
+
+
+def _rows_for_small_groups(cfg: GemmTiling, out_cols: int, rows_per_group: float) -> GemmTiling:
+    """128-row CTAs (two 128 x 64 warpgroup tiles side by side) instead of 256-row ones for few rows per group."""
+    if cfg.cta_m == 256 and rows_per_group <= SMALL_GROUP_ROWS and out_cols % 128 == 0:
+        return dataclasses.replace(cfg, wg_split="n", tile_n=64, epi_tile_n=64)
+    return cfg
 
 
 def _long_reduction_steps(cfg: GemmTiling, reduction: int, out_cols: int) -> GemmTiling:
@@ -151,11 +170,14 @@ def _long_reduction_steps(cfg: GemmTiling, reduction: int, out_cols: int) -> Gem
     return cfg
 
 
-def default_kernel_tuning(kernel: str, k: int, n: int) -> GroupedGemmTuning:
+def default_kernel_tuning(kernel: str, k: int, n: int, m: int | None = None,
+                          num_groups: int | None = None) -> GroupedGemmTuning:
     """`default_tuning`'s tiles for `kernel` ('dgrad' or 'wgrad') called on its own, so that the other
     kernels' alignment rules do not reject shapes this one takes (dgrad alone needs only K to fit)."""
     if kernel == "dgrad":
         fit = _long_reduction_steps(fit_tiling(GemmTiling(), k, "K"), reduction=n, out_cols=k)
+        if m is not None and num_groups:
+            fit = _rows_for_small_groups(fit, k, m / num_groups)
     else:
         fit = fit_wgrad_tiling(GemmTiling(), k, n)
     return dataclasses.replace(GroupedGemmTuning(), **{kernel: fit})

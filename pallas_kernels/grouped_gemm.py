@@ -192,7 +192,7 @@ def _validate_dgrad(dy_MN, w_GKN, group_sizes_G, preferred_element_type, tuning)
         raise ValueError(f"dy_MN has N={n} but w_GKN has N={n2}; they must match")
     check_group_sizes(group_sizes_G, g)
     out_dtype = check_dtypes("dy_MN", dy_MN, "w_GKN", w_GKN, preferred_element_type)
-    tuning = tuning or default_kernel_tuning("dgrad", k, n)
+    tuning = tuning or default_kernel_tuning("dgrad", k, n, dy_MN.shape[0], g)
     check_tiling("dgrad", tuning.dgrad, [("K", k, tuning.dgrad.cta_n),
                                          ("N", n, tuning.dgrad.tile_k * tuning.dgrad.split_k)], "input gradient")
     check_tuning_enums(tuning)

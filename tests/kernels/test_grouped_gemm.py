@@ -207,7 +207,17 @@ def test_default_tuning_takes_128_wide_k_steps_for_long_reductions(k, n, fwd_k, 
     t = default_tuning(8192, k, n, 8)
     assert (t.fwd.tile_k, t.dgrad.tile_k) == (fwd_k, dgrad_k)
     assert t.fwd.max_concurrent_steps == (2 if fwd_k == 128 else 4)
-    assert t.dgrad == default_kernel_tuning("dgrad", k, n).dgrad   # dgrad called alone gets the same tiles
+    assert t.dgrad == default_kernel_tuning("dgrad", k, n, 8192, 8).dgrad   # dgrad alone gets the same tiles
+
+
+@pytest.mark.parametrize("m, g, cta_rows", [(49152, 64, 128), (49152, 8, 256)])
+def test_default_tuning_takes_128_row_ctas_for_few_rows_per_group(m, g, cta_rows):
+    # DeepSeekMoE's N = 1408 is no multiple of 256: warpgroups stack along M (256-row CTAs) unless groups are
+    # small (768 rows each at 64 groups), where a group's partly empty last tile would waste 128 rows
+    t = default_tuning(m, 2048, 1408, g)
+    assert (t.fwd.cta_m, t.fwd.cta_n) == (cta_rows, 128)
+    assert 1408 % t.fwd.cta_n == 0 and t.fwd.chain_items
+    assert default_tuning(m, 2048, 4096, g).fwd.cta_m == 128   # side-by-side warpgroups: 128 rows already
 
 
 @pytest.mark.parametrize("bad, match", [
