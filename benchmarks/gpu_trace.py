@@ -10,7 +10,8 @@ the same time and are skipped so nothing is counted twice.
 - `comm_ms`: union of communication kernels (NCCL);
 - `exposed_comm_ms`: communication time during which no compute kernel runs (what overlap failed to hide);
 - `kernel_ms_by_category`: summed kernel time per category (gemm, attention, comm:<kind>, other);
-- `top_kernels`: the largest kernels by name, so the categories can be checked by eye.
+- `top_kernels`: the largest kernels by name, so the categories can be checked by eye (with `sources`, each
+  fusion's jax op and source line: benchmarks/hlo_sources.py).
 """
 from __future__ import annotations
 
@@ -123,7 +124,9 @@ def _intersections(a, b):
     return out
 
 
-def breakdown(trace: dict, num_steps: int, top: int = 25) -> dict:
+def breakdown(trace: dict, num_steps: int, top: int = 25, sources: dict | None = None) -> dict:
+    """`sources`: benchmarks/hlo_sources.instruction_sources of the traced program; each top kernel whose
+    name is an HLO instruction then says which jax op and source line it came from ('source')."""
     per_gpu = gpu_stream_events(trace)
     if not per_gpu:
         raise ValueError("the trace has no GPU stream kernels (profiled on the CPU, or an unknown trace layout)")
@@ -148,6 +151,7 @@ def breakdown(trace: dict, num_steps: int, top: int = 25) -> dict:
         "num_gpus": len(per_gpu), "num_steps": num_steps,
         "busy_ms": ms(busy), "comm_ms": ms(comm), "exposed_comm_ms": ms(exposed),
         "kernel_ms_by_category": {k: ms(v) for k, v in sorted(by_category.items())},
-        "top_kernels": [{"name": k[:160], "category": kernel_category(k), "ms": ms(v), "args": sample_args.get(k, {})}
+        "top_kernels": [{"name": k[:160], "category": kernel_category(k), "ms": ms(v), "args": sample_args.get(k, {}),
+                         **({"source": sources[k]} if sources and k in sources else {})}
                         for k, v in by_name.most_common(top)],
     }

@@ -1,6 +1,7 @@
 """Where one Mixtral-shaped block's fwd+bwd spends its GPU time: the same block bench_peers.py times as
 `ours_block` (attention + top-2 of 8, dropless, 1 x 8192 tokens), traced for a few calls and broken down by
-benchmarks/gpu_trace.py (GEMM / attention / other, the largest kernels with the HLO op they came from).
+benchmarks/gpu_trace.py (GEMM / attention / other, the largest kernels with the HLO op and the source line
+they came from: benchmarks/hlo_sources.py).
 
     python -m benchmarks.profile_block --out $OUT/profile_block.json
 
@@ -16,6 +17,7 @@ import tempfile
 import time
 
 from benchmarks import gpu_trace
+from benchmarks.hlo_sources import instruction_sources
 from benchmarks.environment import environment
 from benchmarks.peers_jax_worker import build_ours
 from benchmarks.peers_plan import FULL, TINY
@@ -30,6 +32,7 @@ def profile_block(calls: int, tiny: bool, top: int) -> dict:
     grad, params, kernels = build_ours(shapes, tiny, layers=1)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((shapes.batch, shapes.seq, shapes.hidden)),
                     jnp.bfloat16)
+    sources = instruction_sources(grad.lower(params, x).compile().as_text())   # fusion name -> jax op, line
     out = None
     for _ in range(3):                                   # compile + warm up
         out = grad(params, x)
@@ -51,7 +54,7 @@ def profile_block(calls: int, tiny: bool, top: int) -> dict:
             "idle_gaps_all_calls": {pid: gpu_trace.idle_gaps(ev, top) for pid, ev in per_gpu.items()},
             "kernels": {"attention": kernels.attention, "grouped_gemm": kernels.grouped_gemm},
             "wall_ms_per_call_untraced": wall_ms,
-            "breakdown_per_call": gpu_trace.breakdown(trace, calls, top=top) if trace else None}
+            "breakdown_per_call": gpu_trace.breakdown(trace, calls, top=top, sources=sources) if trace else None}
 
 
 def main() -> None:

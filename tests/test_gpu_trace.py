@@ -2,6 +2,8 @@
 import gzip
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import gpu_trace
@@ -80,3 +82,29 @@ def test_idle_gaps_are_the_time_no_kernel_runs_with_their_neighbours():
     gaps = gpu_trace.idle_gaps(events, top=1)
     assert gaps["idle_us"] == 33.0 and gaps["gaps_over_5us"] == 1   # 120..123 (3 us) and 130..160 (30 us)
     assert gaps["largest"] == [{"us": 30.0, "after": "c", "before": "d"}]
+
+
+def _silu_product(x, w):
+    return jnp.sum(jax.nn.silu(x @ w) * x)   # the line the fusions below must point at
+
+
+def test_instruction_sources_name_the_jax_op_and_line_of_each_fusion():
+    import inspect
+
+    from benchmarks.hlo_sources import instruction_sources
+    text = jax.jit(jax.grad(_silu_product)).lower(jnp.ones((16, 16)), jnp.ones((16, 16))).compile().as_text()
+    sources = instruction_sources(text)
+    line = inspect.getsourcelines(_silu_product)[1] + 1
+    fusions = {k: v for k, v in sources.items() if "fusion" in k}
+    assert fusions, sorted(sources)
+    for name, src in fusions.items():   # every fusion of this program comes from that one line
+        assert src["where"].endswith(f"test_gpu_trace.py:{line} (_silu_product)"), (name, src)
+        assert src["op"].startswith("jit(_silu_product)/"), (name, src)
+    assert any("silu" in v["op"] for v in fusions.values())
+
+
+def test_breakdown_attaches_sources_to_the_kernels_they_name():
+    sources = {"loop_add_fusion": {"op": "jit(f)/add", "where": "megascale_jax/x.py:3 (f)"}}
+    top = {k["name"]: k for k in gpu_trace.breakdown(_trace(), num_steps=1, sources=sources)["top_kernels"]}
+    assert top["loop_add_fusion"]["source"] == sources["loop_add_fusion"]
+    assert "source" not in top["sm90_xmma_gemm_bf16"]
