@@ -54,7 +54,9 @@ ISSUE10_ROWS = [
 #   timed loops 96 x ~1 s; data + sampled checks 9 shapes x ~2 s + 20 cases x ~0.5 s ~30 s.
 #   Total ~5 min (`--list` prints the same rough model); --time-budget-s starts no new timing past its limit,
 #   so the JSON and the table are written even if compiles are much slower than guessed.
-SUITES = {"issue10": dict(impls=("ours", "ours_grid_tiles", "dense_same_flops")),
+UNWRITTEN_TAIL = "ours_unwritten_tail"   # ours with torch._grouped_mm's tail contract (zero_tail='none')
+SAME_TAIL_VERDICT = "ours>=torch_grouped_mm_same_tail_contract"
+SUITES = {"issue10": dict(impls=("ours", "ours_grid_tiles", UNWRITTEN_TAIL, "dense_same_flops")),
           "tiny": dict(impls=("ours", "dense_same_flops"))}
 # CPU smoke of the whole pipeline (interpret mode): tiny shapes, every routing, tile-aligned K and N
 TINY_ROWS = {"tiny_g4": (512, 128, 256, 4), "tiny_g1": (256, 128, 256, 1)}
@@ -168,7 +170,8 @@ def print_cases(cases, args):
     for i, c in enumerate(cases):
         print(f"{i:3d} {c['shape']:20s} {c['routing']:10s} {c['M']:6d} {c['K']:5d} {c['N']:6d} {c['G']:4d} "
               f"{c['useful_rows']:6d} {2 * c['useful_rows'] * c['K'] * c['N'] / 1e9:10.1f}  {rle(c['group_sizes'])}")
-    grouped = [b for b in ("ours", "ours_grid_tiles", "ours_mask_tail", "ours_scan_tables", "xla_ragged_dot")
+    grouped = [b for b in ("ours", "ours_grid_tiles", "ours_mask_tail", "ours_unwritten_tail", "ours_scan_tables",
+                           "xla_ragged_dot")
                if wanted(f"{b}/fwd", args)]
     kinds = 2 if args.bwd else 1
     n_grouped = len(cases) * len(grouped) * kinds

@@ -71,16 +71,23 @@ class GemmTiling:
         return self.tile_n * (NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
 
 
+ZERO_TAILS = ("kernel", "mask", "none")   # who writes rows past sum(group_sizes): GroupedGemmTuning.zero_tail
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupedGemmTuning:
     """Per-kernel tiles: forward `fwd`, input gradient `dgrad`, weight gradient `wgrad` (its tile_m runs
     over K, tile_n over N, tile_k over tokens). `num_sms=None` reads the device's SM count.
 
     `zero_tail` says who writes the zero rows past sum(group_sizes) of y and dx: 'kernel' (its tail tiles
-    store zeros from SMEM: no loads, no MMA, one write of the tail) or 'mask' (the kernels skip those tiles
+    store zeros from SMEM: no loads, no MMA, one write of the tail), 'mask' (the kernels skip those tiles
     and a jnp.where zeroes them; XLA can fuse the select into the consumer, a standalone call pays one pass
-    over the output). A long tail (expert-parallel dropless buffers are n x the average rows) is where they
-    could differ; `benchmarks/bench_grouped_gemm.py --routings padded` times both.
+    over the output) or 'none' (nobody: those rows are left as the buffer held them, garbage, NaN possible;
+    `torch._grouped_mm`'s contract. Only for a consumer that never reads them, e.g. token_routes' combines,
+    which select the real rows; the weight gradient selects its rows, so x may hold anything there, but a
+    cotangent must be finite past sum(group_sizes): the transpose of such a consumer gives zeros there). A
+    long tail (expert-parallel dropless buffers are n x the average rows) is where they differ;
+    `benchmarks/bench_grouped_gemm.py --routings padded` times all three.
 
     `tables` says how the work tables are computed on device before each launch (the same tables either
     way, see `row_tile_table`): 'scan' (cumsum + searchsorted) or 'fused' (masked sums: no scan, no while
@@ -265,8 +272,8 @@ def check_dtypes(a_name, a, b_name, b, preferred_element_type):
 
 def check_tuning_enums(tuning):
     """The tuning's enums (zero_tail, tables, row_tiles)."""
-    if tuning.zero_tail not in ("kernel", "mask"):
-        raise ValueError(f"tuning.zero_tail must be 'kernel' or 'mask', got {tuning.zero_tail!r}")
+    if tuning.zero_tail not in ZERO_TAILS:
+        raise ValueError(f"tuning.zero_tail must be one of {ZERO_TAILS}, got {tuning.zero_tail!r}")
     if tuning.row_tiles not in ROW_TILE_ALIGNMENTS:
         raise ValueError(f"tuning.row_tiles must be one of {ROW_TILE_ALIGNMENTS}, got {tuning.row_tiles!r}")
     if tuning.tables not in TABLE_METHODS:
@@ -363,9 +370,10 @@ def warpgroup_mma(tile: WarpgroupTile):
 
 def mask_token_rows(ref, row0, start, end):
     """Zeroes rows of an SMEM tile whose token index is outside [start, end) (neighbouring groups or
-    rows past the end). A multiply by the 0/1 mask: those rows must hold finite values."""
+    rows past the end). A select, not a 0/1 multiply: rows past the end may be an unwritten tail
+    (zero_tail='none'), and NaN * 0 is NaN."""
     vals = ref[...]
     rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, vals.shape, 0), plgpu.Layout.WGMMA) + row0
     keep = (rows >= start) & (rows < end)
-    ref[...] = vals * keep.astype(vals.dtype)
+    ref[...] = jnp.where(keep, vals, jnp.zeros_like(vals))
     plgpu.commit_smem()

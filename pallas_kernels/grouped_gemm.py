@@ -1,7 +1,7 @@
 """Grouped GEMM for Hopper: `y[M,N] = x[M,K] @ w[g][K,N]` for the rows of group g (Pallas Mosaic GPU).
 
 Semantics are those of `jax.lax.ragged_dot(x, w, group_sizes)`: rows are sorted by group, group g owns
-rows [sum(sizes[:g]), sum(sizes[:g+1])), rows past sum(group_sizes) come out as zeros, and a cumulative
+rows [sum(sizes[:g]), sum(sizes[:g+1])), rows past sum(group_sizes) come out as zeros (unless tuning.zero_tail="none"), and a cumulative
 size past M is cut at M exactly as ragged_dot cuts it (those rows do not exist).
 
 Two kernel bodies (three launches), one persistent warp-specialised design (1 TMA warpgroup, 2 wgmma):
@@ -148,7 +148,7 @@ def _ragged_matmul(x, w, group_sizes, out_dtype, cfg, transpose_w, num_sms, inte
     table, num_valid = row_tile_table(sizes, m_run, cfg.cta_m, with_tail=zero_tail == "kernel",
                                       method=tables, align=row_tiles)
     out = ragged_launch(x_in, w, table, num_valid, out_dtype, cfg, transpose_w, num_sms, interpret)[:m]
-    if zero_tail == "kernel":
+    if zero_tail in ("kernel", "none"):   # written by the tail tiles, or left unwritten on purpose
         return out
     rows_M1 = jnp.arange(m, dtype=jnp.int32)[:, None]   # rows the kernel did not write hold garbage
     total = jnp.sum(jnp.maximum(group_sizes, 0))   # as the tables count rows (a negative size as 0)
@@ -232,9 +232,11 @@ def grouped_gemm(x_MK, w_GKN, group_sizes_G, preferred_element_type=None, interp
 
     x_MK [M, K] bf16/f16 rows sorted by group; w_GKN [G, K, N] same dtype; group_sizes_G [G] int32 (>= 0).
     K and N must be multiples of 64. Output [M, N] in `preferred_element_type` (None: x's dtype, or
-    float32), fp32 accumulation; rows past sum(group_sizes_G) are zeros. Gradients come back in x's and
-    w's dtypes; the weight gradient masks foreign rows by a 0/1 multiply, so x and the cotangent must be
-    finite everywhere (also past sum(group_sizes_G)). Not sharded inside: call it per device (e.g. in
+    float32), fp32 accumulation; rows past sum(group_sizes_G) are zeros (with `tuning.zero_tail='none'`
+    unwritten: see GroupedGemmTuning). Gradients come back in x's and w's dtypes; the weight gradient
+    selects each group's rows of x (x may hold anything elsewhere) but multiplies them with all rows of
+    its token blocks of the cotangent, so the cotangent must be finite everywhere (also past
+    sum(group_sizes_G)). Not sharded inside: call it per device (e.g. in
     shard_map over the expert axis). `interpret=True` runs the Mosaic GPU kernels in the CPU interpreter
     (tests); `tuning` overrides `default_tuning(M, K, N, G)`.
     """
@@ -250,7 +252,8 @@ def grouped_gemm_dgrad(dy_MN, w_GKN, group_sizes_G, *, preferred_element_type=No
 
     dy_MN [M, N] in w_GKN's dtype (bf16/f16: cast an fp32 cotangent first); w_GKN [G, K, N];
     group_sizes_G [G] int. K must be a multiple of 64. Output in `preferred_element_type` (None: dy's
-    dtype, or float32); rows past sum(group_sizes_G) are zeros. Per device like `grouped_gemm`; inside
+    dtype, or float32); rows past sum(group_sizes_G) are zeros (unwritten with `tuning.zero_tail='none'`).
+    Per device like `grouped_gemm`; inside
     shard_map the output is typed as varying along its inputs' axes. Uses `tuning.dgrad` (its tile_k
     runs over N) and `tuning.zero_tail`; None: `default_tuning`'s dgrad tiles.
     """
@@ -268,8 +271,9 @@ def grouped_gemm_wgrad(x_MK, dy_MN, group_sizes_G, *, preferred_element_type=Non
     """Weight gradient of `grouped_gemm`: `dw[g] = x[rows of g]ᵀ @ dy[rows of g]`, [G, K, N].
 
     x_MK [M, K] and dy_MN [M, N] in one dtype (bf16/f16); group_sizes_G [G] int. K or N must be a
-    multiple of 128, the other of 64. Groups with no rows get zeros; rows of other groups and past
-    sum(group_sizes_G) are masked by a 0/1 multiply, so x and dy must be finite everywhere. Output in
+    multiple of 128, the other of 64. Groups with no rows get zeros; x's rows of other groups and past
+    sum(group_sizes_G) are deselected in SMEM (x may hold anything there, e.g. an unwritten tail), dy's
+    are not (0 * NaN is NaN), so dy must be finite everywhere. Output in
     `preferred_element_type` (None: x's dtype, or float32). Per device, typed like `grouped_gemm_dgrad`;
     a weight replicated over a mesh axis needs its gradient summed over that axis by the caller.
     Uses `tuning.wgrad`; None: `default_tuning`'s wgrad tiles.

@@ -55,13 +55,29 @@ def test_ratios_verdicts_and_table():
     report.finalize_row(row)
     assert row["ratios"]["ours/torch_grouped_mm/fwd"] == 1.25
     assert row["ratios"]["ours/dense_same_flops/fwd+bwd"] is None
-    assert row["verdict"] == {"ours>=torch_grouped_mm": False, "ours>=0.9x_dense_fwd": True}
+    same = "ours>=torch_grouped_mm_same_tail_contract"
+    assert row["verdict"] == {"ours>=torch_grouped_mm": False, "ours>=0.9x_dense_fwd": True, same: False}
     s = report.summary([row])
     assert s["ours>=torch_grouped_mm"]["failing"] == ["s/uniform"] and s["ours>=0.9x_dense_fwd"]["all_rows_pass"]
     table = report.markdown_table([row], {"device": "cpu"})
     assert "| s | uniform | 8 | 8 | 8 | 1 | 8 | 500 | 400 | 540 | - | 1.25 | 0.93 |" in table   # no torch dense
-    assert table.splitlines()[4].endswith("| NO | yes | - | - |")   # no HBM bandwidth given: no floor
+    assert table.splitlines()[4].endswith("| NO | yes | - | - | NO |")   # no HBM bandwidth given: no floor
     assert "ours>=torch_grouped_mm: FAIL; failing ['s/uniform']" in table
+
+
+def test_same_tail_contract_verdict_uses_the_unwritten_tail_only_where_there_is_a_tail():
+    """torch leaves the tail unwritten: on a row with one, the second verdict compares ours with zero_tail='none';
+    on a row without, it is the plain verdict."""
+    t = {"ours/fwd": 500.0, "ours/fwd+bwd": 450.0, "torch_grouped_mm/fwd": 520.0, "torch_grouped_mm/fwd+bwd": 440.0,
+         "ours_unwritten_tail/fwd": 530.0, "ours_unwritten_tail/fwd+bwd": 460.0}
+    padded = report.finalize_row(dict(shape="p", routing="padded", M=16, K=8, N=8, G=1, useful_rows=8, tflops=t))
+    assert padded["verdict"]["ours>=torch_grouped_mm"] is False
+    assert padded["verdict"]["ours>=torch_grouped_mm_same_tail_contract"] is True
+    assert padded["ratios"]["ours_unwritten_tail/torch_grouped_mm/fwd"] == round(530 / 520, 3)
+    full = report.finalize_row(dict(shape="u", routing="uniform", M=8, K=8, N=8, G=1, useful_rows=8, tflops=t))
+    assert full["verdict"]["ours>=torch_grouped_mm_same_tail_contract"] is False   # ours/fwd 500 < 520
+    s = report.summary([padded, full])
+    assert s["ours>=torch_grouped_mm_same_tail_contract"]["failing"] == ["u/uniform"]
 
 
 def test_hbm_floor_counts_non_empty_groups_routed_rows_and_the_whole_output():
@@ -78,7 +94,7 @@ def test_hbm_floor_counts_non_empty_groups_routed_rows_and_the_whole_output():
     half = dict(row, group_sizes=[512, 0] * 64)
     assert report.hbm_floor_bytes(half) == want - 2 * 64 * 2048 * 768
     table = report.markdown_table([row], {"device": "gpu", "hbm_copy_gbps": 3500.0})
-    assert table.splitlines()[-5].endswith("| 0.182 | 0.87 |") and "(3500.0 GB/s)" in table
+    assert table.splitlines()[-7].endswith("| 0.182 | 0.87 | - |") and "(3500.0 GB/s)" in table
     report.finalize_row(no_bw := dict(row, hbm_floor=None))
     assert no_bw["hbm_floor"] is None   # no bandwidth measured (the interpreter): no floor
 
@@ -86,15 +102,17 @@ def test_hbm_floor_counts_non_empty_groups_routed_rows_and_the_whole_output():
 def test_tiny_interpret_run_writes_json_and_markdown(tmp_path):
     """Our kernel (interpreter) and the dense GEMM on the smallest shape with a zero tail, forward only."""
     out = str(tmp_path / "gg.json")
-    _bench("--suite", "tiny", "--interpret", "--impls", "ours/,dense", "--no-bwd", "--only", "tiny_g1",
-           "--routings", "padded", "--out", out, cwd=tmp_path)
+    _bench("--suite", "tiny", "--interpret", "--impls", "ours/,ours_unwritten_tail/,dense", "--no-bwd",
+           "--only", "tiny_g1", "--routings", "padded", "--out", out, cwd=tmp_path)
     doc = json.load(open(out))
     assert list(doc) == ["environment", "suite", "mode", "tokens_per_device", "flops_note", "summary", "results"]
     assert doc["suite"] == "tiny" and doc["summary"]["rows"] == 1
     (row,) = doc["results"]
-    assert set(row["tflops"]) == {"ours/fwd", "dense_same_flops/fwd"}
-    assert row["errors"]["ours/fwd"] < 1e-2 and row["tail_zero"] == {"ours/fwd": True}
-    assert set(row["verdict"]) == {"ours>=torch_grouped_mm", "ours>=0.9x_dense_fwd"}
+    assert set(row["tflops"]) == {"ours/fwd", "ours_unwritten_tail/fwd", "dense_same_flops/fwd"}
+    assert row["errors"]["ours/fwd"] < 1e-2 and row["tail_zero"] == {"ours/fwd": True}   # not asked of unwritten
+    assert row["errors"]["ours_unwritten_tail/fwd"] < 1e-2
+    assert set(row["verdict"]) == {"ours>=torch_grouped_mm", "ours>=0.9x_dense_fwd",
+                                   "ours>=torch_grouped_mm_same_tail_contract"}
     md = open(str(tmp_path / "gg.md")).read()
     assert "| tiny_g1 | padded | 256 | 128 | 256 | 1 | 128 |" in md and "ours>=0.9x_dense_fwd:" in md
 

@@ -103,6 +103,45 @@ def test_interpret_negative_sizes_count_as_zero_like_the_twin(zero_tail):
         assert np.all(np.asarray(a)[37:] == 0.0) and np.any(np.asarray(a)[25:30] != 0.0)
 
 
+def _check_unwritten_tail(m, sizes, interpret, tuning):
+    """zero_tail='none' (torch._grouped_mm's contract): rows past sum(sizes) of y and dx are not written,
+    the computed rows equal the twin's, and the weight gradient stays exact with NaN in x's tail (its
+    rows are deselected in SMEM; a 0/1 multiply would give NaN)."""
+    x, w, dy, group_sizes = _random_problem(len(sizes) + m, m, 128, 128, sizes)
+    total = sum(sizes)
+    x_nan_tail = x.at[total:].set(jnp.nan)
+    tuning = dataclasses.replace(tuning, zero_tail="none")
+    fn = lambda x, w: grouped_gemm(x, w, group_sizes, preferred_element_type=jnp.float32,  # noqa: E731
+                                   interpret=interpret, tuning=tuning)
+    y, vjp = jax.vjp(fn, x_nan_tail, w)
+    dx, dw = vjp(dy)
+    ref_y, ref_vjp = jax.vjp(lambda x, w: _ragged_dot_f32(x, w, group_sizes), x.astype(jnp.float32),
+                             w.astype(jnp.float32))
+    ref_dx, ref_dw = ref_vjp(dy.astype(jnp.bfloat16).astype(jnp.float32))
+    assert _rel_err(y[:total], ref_y[:total]) < 1e-5
+    assert _rel_err(dx[:total], ref_dx[:total]) < 4e-3
+    assert _rel_err(dw, ref_dw) < 4e-3
+    return np.asarray(y[total:]), np.asarray(dx[total:])
+
+
+def test_interpret_unwritten_tail_keeps_computed_rows_and_weight_gradient_exact():
+    y_tail, dx_tail = _check_unwritten_tail(200, [50, 0, 7, 100, 0, 23], True, SMALL_TUNING)
+    # The interpreter fills unwritten outputs with NaN: all NaN means no tail tile ran.
+    assert np.all(np.isnan(y_tail)) and np.all(np.isnan(dx_tail)), "zero_tail='none' must skip the tail"
+
+
+@pytest.mark.parametrize("zero_tail", ["kernel", "mask"])
+def test_interpret_weight_gradient_ignores_nan_in_x_rows_outside_the_groups(zero_tail):
+    """Also with a written tail: the wgrad kernel's row mask is a select, so x's tail may be an unwritten
+    buffer (NaN) with the gradient exact."""
+    x, w, dy, gs = _random_problem(11, 136, 128, 128, [40, 0, 57])
+    tuning = dataclasses.replace(SMALL_TUNING, zero_tail=zero_tail)
+    got = grouped_gemm_wgrad(x.at[97:].set(jnp.nan), dy.astype(jnp.bfloat16), gs,
+                             preferred_element_type=jnp.float32, interpret=True, tuning=tuning)
+    want = grouped_gemm_wgrad_reference(x, dy.astype(jnp.bfloat16), gs, jnp.float32)
+    assert _rel_err(got, want) < 1e-5
+
+
 # Epilogue and K-tile variants of the small tiles: two staging slots (odd and even chunk counts per tile),
 # 128-wide K steps. The tail case stores zero tiles straight from SMEM.
 VARIANT_TUNINGS = {
@@ -365,6 +404,12 @@ def test_gpu_forward_and_gradients_match_ragged_dot(sizes, zero_tail):
     _poison_device_memory(64 << 20)
     tuning = dataclasses.replace(default_tuning(4096, 512, 1024, len(sizes)), zero_tail=zero_tail)
     _check_fwd_bwd(x, w, dy, group_sizes, tuning=tuning)
+
+
+@pytest.mark.gpu
+def test_gpu_unwritten_tail_keeps_computed_rows_and_weight_gradient_exact():
+    _poison_device_memory(64 << 20)
+    _check_unwritten_tail(4096, [700, 0, 1500, 33, 0, 900, 1, 400], False, default_tuning(4096, 128, 128, 8))
 
 
 @pytest.mark.gpu
