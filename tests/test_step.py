@@ -44,17 +44,12 @@ def _gradient_wire_dtypes(cfg) -> set:
 PLAIN = {"parallel.plan": "manual"}   # intra 1: plain data parallelism over 8 devices, per device
 
 
-@pytest.fixture(scope="module")
-def plain_fp32_losses(tmp_path_factory):
-    """The fp32 exchange's losses: the reference of both compressed modes (one run per module)."""
-    return [l["loss"] for l in _run(tmp_path_factory.mktemp("plain"), "fp32", **PLAIN)]
-
-
-@pytest.mark.parametrize("mode, wire", [("bf16", "u16"), ("fp8", "u8")])
-def test_plain_data_parallel_compressed_gradients(tmp_path, plain_fp32_losses, mode, wire):
-    plain, fp32 = PLAIN, plain_fp32_losses
-    compressed = [l["loss"] for l in _run(tmp_path, mode, **plain, **{"parallel.grad_comm": mode})]
-    np.testing.assert_allclose(compressed, fp32, rtol=1e-3)
-    assert compressed != fp32   # the compression is really on
-    cfg = default_config("tiny_cpu", num_devices=8, **{**COMMON, **plain, "parallel.grad_comm": mode})
-    assert wire in _gradient_wire_dtypes(cfg)   # one (two) byte(s) per element on the wire
+def test_plain_data_parallel_compressed_gradients(tmp_path):
+    """bf16 and fp8 against one fp32 run (in one test: a module fixture would run once per xdist worker)."""
+    fp32 = [l["loss"] for l in _run(tmp_path, "fp32", **PLAIN)]
+    for mode, wire in (("bf16", "u16"), ("fp8", "u8")):
+        compressed = [l["loss"] for l in _run(tmp_path, mode, **PLAIN, **{"parallel.grad_comm": mode})]
+        np.testing.assert_allclose(compressed, fp32, rtol=1e-3, err_msg=mode)
+        assert compressed != fp32, mode   # the compression is really on
+        cfg = default_config("tiny_cpu", num_devices=8, **{**COMMON, **PLAIN, "parallel.grad_comm": mode})
+        assert wire in _gradient_wire_dtypes(cfg), mode   # one (two) byte(s) per element on the wire
