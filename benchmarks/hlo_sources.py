@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import re
 
+from megascale_jax.parallel.hlo_bytes import INSTRUCTION
+
 PROJECT_DIRS = ("megascale_jax/", "pallas_kernels/", "benchmarks/")
 
 _TABLE = re.compile(r"^(\d+) (.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
 _METADATA = re.compile(r"metadata=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
@@ -82,10 +83,10 @@ def instruction_sources(hlo_text: str) -> dict[str, dict]:
         if m and "=" not in line.split("{", 1)[0]:
             computation = m.group(1)
             continue
-        m = _INSTRUCTION.match(line)
+        m = INSTRUCTION.match(line)   # the HLO byte counter's instruction-line pattern
         if not m:
             continue
-        name, meta = m.group(1), _METADATA.search(line)
+        name, meta = m.group("name"), _METADATA.search(line)
         called = _CALLS.search(line)
         if called:
             calls[name] = called.group(1)
