@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,7 @@ def ffn_loss(zero_tail, interpret, sizes, valid_M1, weight_M1, ct_MD):
     return loss
 
 
-def probe(name, shape, interpret, rounds):
+def probe(name, shape, interpret, rounds, kinds):
     n, t, k, g, d, f = shape
     rows, sizes_np = buffer(n, t, k, g)
     real = int(sizes_np.sum())
@@ -70,13 +71,18 @@ def probe(name, shape, interpret, rounds):
     weight = jax.random.uniform(keys[4], (rows, 1), jnp.float32)
     ct = jax.random.normal(keys[5], (rows, d), jnp.float32)
     sizes = jnp.asarray(sizes_np)
-    fns, outs, fusions = [], {}, {}
+    fns, outs, fusions, compile_s = [], {}, {}, {}
     for zt in VARIANTS:
         loss = ffn_loss(zt, interpret, sizes, valid, weight, ct)
-        for kind, fn in (("fwd", jax.jit(loss)), ("fwd+bwd", jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))))):
+        builders = {"fwd": lambda: jax.jit(loss), "fwd+bwd": lambda: jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))}
+        for kind in kinds:
+            fn = builders[kind]()
             args = (x, wg, wu, wd)
             print(f"{name} {zt}/{kind}: compiling", flush=True)   # a first H200 run printed nothing in 230 s
+            started = time.perf_counter()
             compiled = fn.lower(*args).compile()   # one compile, timed and counted
+            compile_s[f"{zt}/{kind}"] = round(time.perf_counter() - started, 1)
+            print(f"{name} {zt}/{kind}: compiled in {compile_s[f'{zt}/{kind}']} s", flush=True)
             fusions[f"{zt}/{kind}"] = compiled.as_text().count(" fusion(")
             outs[f"{zt}/{kind}"] = jax.block_until_ready(compiled(*args))
             fns.append((f"{zt}/{kind}", compiled, args))
@@ -87,14 +93,14 @@ def probe(name, shape, interpret, rounds):
     times = time_rounds(fns, loops=rounds, **({"min_total_s": 0.0, "min_iters": 1} if interpret else {}))
     flops = 2 * real * d * f * 3   # three GEMMs over the real rows
     variants = {label: {"ms": round(s * 1e3, 4), "tflops": round(flops * (3 if "bwd" in label else 1) / s / 1e12, 1),
-                        "hlo_fusions": fusions[label]} for label, s in times.items()}
+                        "hlo_fusions": fusions[label], "compile_s": compile_s[label]} for label, s in times.items()}
     for label, v in variants.items():
         print(f"{name:18s} {label:14s} {v['tflops']:7.1f} TFLOP/s {v['ms']:9.3f} ms  fusions {v['hlo_fusions']}",
               flush=True)
     return {"ranks": n, "tokens_per_rank": t, "top_k": k, "local_experts": g, "D": d, "F": f, "rows": rows,
             "real_rows": real, "tail_share": round(1 - real / rows, 3), "variants": variants,
             "mask_over_kernel_speedup": {kd: round(variants[f"kernel/{kd}"]["ms"] / variants[f"mask/{kd}"]["ms"], 3)
-                                         for kd in ("fwd", "fwd+bwd")},
+                                         for kd in kinds},
             "losses_equal": bool(ref_val == val), "max_abs_grad_difference": grad_diff, "gradients_finite": finite}
 
 
@@ -105,13 +111,21 @@ def main():
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--interpret", action="store_true")
     p.add_argument("--only", default="", help="comma list of shape names (default: all)")
+    p.add_argument("--kinds", default="fwd,fwd+bwd",
+                   help="comma list of fwd, fwd+bwd (each costs two compiles per shape; fwd+bwd must be one)")
     args = p.parse_args()
     doc = {"benchmark": "probe_tail_in_ffn", "environment": environment(), "description": __doc__.strip(),
-           "rounds": args.rounds, "shapes": {}}
+           "rounds": args.rounds, "kinds": args.kinds, "shapes": {}}
     shapes = TINY if args.tiny else SHAPES
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if "fwd+bwd" not in kinds or not set(kinds) <= {"fwd", "fwd+bwd"}:
+        raise SystemExit(f"--kinds {args.kinds!r}: give fwd+bwd (the gradients are compared), optionally fwd")
+    unknown = [s for s in args.only.split(",") if s and s not in shapes]
+    if unknown:
+        raise SystemExit(f"--only: unknown shape(s) {unknown}; known: {sorted(shapes)}")
     for name in [s for s in args.only.split(",") if s] or list(shapes):
         shape = shapes[name]
-        doc["shapes"][name] = probe(name, shape, args.interpret, args.rounds)
+        doc["shapes"][name] = probe(name, shape, args.interpret, args.rounds, kinds)
         with open(args.out, "w") as fh:
             json.dump(doc, fh, indent=1)
 
