@@ -86,6 +86,7 @@ class KernelConfig:
     grouped_gemm: str
     attention: str
     swiglu: str
+    grouped_gemm_tail: str
 
 
 @dataclasses.dataclass(frozen=True)

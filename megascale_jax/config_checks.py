@@ -13,7 +13,7 @@ from configs import plans as plan_recipes
 from megascale_jax import data as data_lib
 from megascale_jax.model.attention import AttentionImpl, AttentionKind
 from megascale_jax.model.layers import TiedHeadScale
-from megascale_jax.model.moe.experts import GroupedGemmImpl, SwigluImpl
+from megascale_jax.model.moe.experts import GroupedGemmImpl, GroupedGemmTail, SwigluImpl
 from megascale_jax.model.moe.router import RouterKind
 from megascale_jax.model.transformer import Remat
 from megascale_jax.optim import NonFinite
@@ -47,7 +47,7 @@ CHOICES = {
     "parallel.grad_comm": _values(GradComm), "parallel.dispatch_dtype": _values(DispatchDType),
     "parallel.moe_layer": _values(MoELayer), "model.tied_head_scale": _values(TiedHeadScale),
     "kernels.grouped_gemm": _values(GroupedGemmImpl), "kernels.attention": _values(AttentionImpl),
-    "kernels.swiglu": _values(SwigluImpl),
+    "kernels.swiglu": _values(SwigluImpl), "kernels.grouped_gemm_tail": _values(GroupedGemmTail),
     "parallel.attention_exchange": _values(AttentionExchange),
     "parallel.dispatch_exchange": _values(DispatchExchange),
     "model.attention_kind": _values(AttentionKind), "model.moe.router_kind": _values(RouterKind),

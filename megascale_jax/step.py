@@ -32,7 +32,7 @@ from megascale_jax import gradients
 from megascale_jax.config import Config, DType
 from megascale_jax.config_checks import ConfigError
 from megascale_jax.model.attention import resolve_attention_impl
-from megascale_jax.model.moe.experts import resolve_grouped_gemm, resolve_swiglu
+from megascale_jax.model.moe.experts import resolve_grouped_gemm, resolve_grouped_gemm_tail, resolve_swiglu
 from megascale_jax.model.transformer import Kernels, Transformer
 from megascale_jax.optim import NonFinite, clip_by_norm, flat_decay_mask, learning_rate_schedule, \
     make_flat_optimizer, make_optimizer
@@ -58,13 +58,17 @@ def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
     ffn = cfg.model.moe.expert_ffn // (plan.intra if tp_experts else 1)
     grouped_gemm = resolve_grouped_gemm(cfg.kernels.grouped_gemm, backend=backend, dtype=compute,
                                         dim=cfg.model.hidden, ffn=ffn)
+    # experts split over ranks: each rank's expert GEMMs run on a receive buffer sized for the worst routing
+    expert_parallel = plan.kind == PlanKind.MANUAL and plan.ffn == FFNPlan.EP and plan.intra > 1
     try:
         swiglu = resolve_swiglu(cfg.kernels.swiglu, grouped_gemm=grouped_gemm, ffn=ffn, remat=cfg.train.remat,
                                 macro_layer=cfg.parallel.moe_layer == MoELayer.MACRO)
+        tail = resolve_grouped_gemm_tail(cfg.kernels.grouped_gemm_tail, grouped_gemm=grouped_gemm,
+                                         expert_parallel=expert_parallel)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return Kernels(attention=resolve_attention_impl(cfg.kernels.attention, backend=backend, compute_dtype=compute),
-                   grouped_gemm=grouped_gemm, swiglu=swiglu)
+                   grouped_gemm=grouped_gemm, grouped_gemm_tail=tail, swiglu=swiglu)
 
 
 def check_attention_exchange(cfg: Config) -> None:

@@ -158,7 +158,8 @@ def _banner(cfg, trainer, size, peak, source) -> None:
         f"{p.attention}, ffn {p.ffn}, dispatch {p.dispatch}) | MoE layer {cfg.parallel.moe_layer}"
         f"{f' ({cfg.parallel.overlap_chunks} chunks)' if cfg.parallel.overlap_chunks > 1 else ''}"
         f"{_fused_exchanges(cfg)}, remat {cfg.train.remat} | kernels: attention {trainer.kernels.attention}, "
-        f"grouped GEMM {trainer.kernels.grouped_gemm}, swiglu {trainer.kernels.swiglu}" + _steps_banner(cfg),
+        f"grouped GEMM {trainer.kernels.grouped_gemm} (tail {trainer.kernels.grouped_gemm_tail}), "
+        f"swiglu {trainer.kernels.swiglu}" + _steps_banner(cfg),
         f"model: {size.summary()}",
         f"data: {getattr(source, 'description', type(source).__name__)} | batch {cfg.train.global_batch} x "
         f"{cfg.train.seq_len} tokens",

@@ -45,6 +45,7 @@ def test_base_config_keys_all_reach_the_dataclasses():
     ({"data.source": "tokens"}, "data.path"),
     ({"model.num_dense_layers": 2}, "num_dense_layers"),
     ({"parallel.attention_exchange": "nccl"}, "parallel.attention_exchange"),
+    ({"kernels.grouped_gemm_tail": "zeros"}, "kernels.grouped_gemm_tail"),
 ])
 def test_bad_values_raise_clear_errors(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -109,3 +110,19 @@ def test_choices_come_from_the_consumers_enums():
     assert config_lib.CHOICES["parallel.ep_dispatch"] == tuple(d.value for d in EPDispatch)
     with pytest.raises(ConfigError, match="plan_recipe='megatron'; choose one of xla, megascale"):
         default_config("tiny_cpu", plan_recipe="megatron")
+
+
+def test_grouped_gemm_tail_auto_masks_only_expert_parallel_pallas_runs():
+    """kernels.grouped_gemm_tail='auto' resolves to 'mask' for the pallas kernel on an EP plan over 2 ranks (its
+    receive buffers are mostly tail), to 'kernel' on one rank; 'mask' where the kernel is xla is a ConfigError."""
+    from megascale_jax.parallel.plan import ParallelPlan
+    from megascale_jax.step import resolve_kernels
+
+    ep2 = {"parallel.intra": 2, "parallel.plan": "manual", "parallel.ffn": "ep", "parallel.attention": "sp"}
+    for overrides, tail in [({**ep2, "kernels.grouped_gemm": "pallas"}, "mask"),
+                            ({"kernels.grouped_gemm": "pallas"}, "kernel"), (ep2, "kernel")]:   # CPU: auto -> xla
+        cfg = default_config("tiny_cpu", **overrides)
+        assert resolve_kernels(cfg, ParallelPlan.from_config(cfg)).grouped_gemm_tail == tail, overrides
+    cfg = default_config("tiny_cpu", **{"kernels.grouped_gemm_tail": "mask"})
+    with pytest.raises(ConfigError, match="grouped_gemm_tail='mask'"):
+        resolve_kernels(cfg, ParallelPlan.from_config(cfg))

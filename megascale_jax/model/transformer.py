@@ -80,6 +80,7 @@ class Kernels:
     experts' first GEMMs and SwiGLU run."""
     attention: str = "xla"        # model/attention.py AttentionImpl
     grouped_gemm: str = "xla"     # model/moe/experts.py GroupedGemmImpl
+    grouped_gemm_tail: str = "kernel"   # model/moe/experts.py GroupedGemmTail (pallas only)
     swiglu: str = "separate"      # model/moe/experts.py SwigluImpl
 
 
@@ -94,7 +95,7 @@ class Block(nnx.Module):
         self.is_moe = moe
         if moe:
             self.ffn = MoEFFN(m.hidden, m.moe, param_dtype, rngs, grouped_gemm=kernels.grouped_gemm,
-                              swiglu=kernels.swiglu)
+                              grouped_gemm_tail=kernels.grouped_gemm_tail, swiglu=kernels.swiglu)
         else:
             self.ffn = DenseMLP(m.hidden, m.dense_ffn, param_dtype, rngs)
 
@@ -129,7 +130,7 @@ class Block(nnx.Module):
     def macro_math(self) -> "MoEBlockMath":
         r = self.ffn.router
         return MoEBlockMath(self.attn_norm.eps, self.attn.implementation, r.top_k, r.renormalize, r.group_size,
-                            self.ffn.grouped_gemm, self.attn.project_rope)
+                            self.ffn.grouped_gemm, self.ffn.grouped_gemm_tail, self.attn.project_rope)
 
 
 class MoEBlockWeights(NamedTuple):
@@ -155,6 +156,7 @@ class MoEBlockMath:
     renormalize: bool
     balance_group_size: int
     grouped_gemm: str
+    grouped_gemm_tail: str
     # Attention.project_rope(positions, x, w): the module's own projections (+ biases, q/k norms) and RoPE on
     # explicit weights; it reads only the module's static settings, no Variable.
     project_rope: Callable = dataclasses.field(compare=False)
@@ -177,12 +179,12 @@ class MoEBlockMath:
         return route(router_logits(h_TD, w_DE), self.top_k, self.renormalize, self.balance_group_size, token_mean)
 
     def expert_gemm(self, x_MK, w_GKN, group_sizes):
-        return grouped_gemm_fn(self.grouped_gemm)(x_MK, w_GKN.astype(x_MK.dtype), group_sizes)
+        return grouped_gemm_fn(self.grouped_gemm, self.grouped_gemm_tail)(x_MK, w_GKN.astype(x_MK.dtype), group_sizes)
 
     def expert_gemm_grads(self):
         """(dgrad(dy_MN, w_GKN, gs) -> dx_MK, wgrad(x_MK, dy_MN, gs) -> dw_GKN): the grouped GEMM's backward
         in two calls, so a collective can run between them."""
-        return grouped_gemm_grads(self.grouped_gemm)
+        return grouped_gemm_grads(self.grouped_gemm, self.grouped_gemm_tail)
 
     def activation(self, gate, up):
         """SwiGLU's activation (experts and shared experts): silu(gate) * up."""

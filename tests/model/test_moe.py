@@ -151,3 +151,71 @@ def test_swiglu_choice_resolves_by_what_can_run():
         assert resolve_swiglu("separate", **{**ok, **change}) == "separate"
         with pytest.raises(ValueError, match=reason):
             resolve_swiglu("fused", **{**ok, **change})
+
+
+def test_grouped_gemm_tail_resolves_to_mask_only_for_pallas_under_expert_parallelism():
+    from megascale_jax.model.moe.experts import resolve_grouped_gemm_tail
+
+    assert resolve_grouped_gemm_tail("auto", grouped_gemm="pallas", expert_parallel=True) == "mask"
+    assert resolve_grouped_gemm_tail("auto", grouped_gemm="pallas", expert_parallel=False) == "kernel"
+    assert resolve_grouped_gemm_tail("auto", grouped_gemm="xla", expert_parallel=True) == "kernel"
+    assert resolve_grouped_gemm_tail("kernel", grouped_gemm="pallas", expert_parallel=True) == "kernel"
+    assert resolve_grouped_gemm_tail("mask", grouped_gemm="pallas", expert_parallel=False) == "mask"
+    with pytest.raises(ValueError, match="grouped_gemm_tail='mask'.*'xla'"):
+        resolve_grouped_gemm_tail("mask", grouped_gemm="xla", expert_parallel=True)
+
+
+def test_masked_tail_experts_equal_the_kernel_tail_on_a_receive_buffer(monkeypatch):
+    """The experts on an expert-parallel receive buffer (real rows, then a tail the dispatch filled with zeros)
+    with grouped_gemm_tail 'mask' vs 'kernel' (Pallas GPU interpreter): the same outputs (zeros on the tail), the
+    same gradients through the autodiff path and through the hand-written backward's dgrad / wgrad calls."""
+    import functools
+
+    import pallas_kernels.grouped_gemm as gg
+    from megascale_jax.model.moe.experts import ExpertWeights, grouped_gemm_fn, grouped_gemm_grads, swiglu_experts
+
+    seen = []   # (entry point, tuning.zero_tail) of every call: the choice must reach the kernel
+
+    def interpreted(fn, name):
+        def call(*args, tuning=None, **kwargs):
+            seen.append((name, tuning.zero_tail))
+            return fn(*args, tuning=tuning, **{**kwargs, "interpret": True})
+        return call
+    for name in ("grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad"):
+        monkeypatch.setattr(gg, name, interpreted(getattr(gg, name), name))
+    rows, real, d, f = 256, 96, 128, 128
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jnp.where(jnp.arange(rows)[:, None] < real, jax.random.normal(keys[0], (rows, d)), 0).astype(jnp.bfloat16)
+    weights = ExpertWeights(*(jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16) / 8
+                              for k, shape in zip(keys[1:4], ((2, d, f), (2, d, f), (2, f, d)))))
+    sizes = jnp.array([64, real - 64], jnp.int32)
+    ct = jax.random.normal(keys[4], (rows, d), jnp.float32)
+
+    def loss(x, weights, tail):
+        y = swiglu_experts(x, weights, sizes, grouped_gemm_fn("pallas", tail))
+        return jnp.vdot(y.astype(jnp.float32), ct), y
+
+    results = {}
+    for tail in ("kernel", "mask"):
+        seen.clear()
+        results[tail] = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, weights, tail)
+        # three GEMMs forward, each one's custom VJP calling dgrad and wgrad with the forward's tuning
+        assert sorted(seen) == sorted([(n, tail) for n in ("grouped_gemm", "grouped_gemm_dgrad",
+                                                            "grouped_gemm_wgrad") for _ in range(3)])
+    (_, y_kernel), grads_kernel = results["kernel"]
+    (_, y_mask), grads_mask = results["mask"]
+    assert not np.any(np.asarray(y_mask[real:], np.float32)) and np.any(np.asarray(y_mask[:real], np.float32))
+    np.testing.assert_array_equal(np.asarray(y_mask, np.float32), np.asarray(y_kernel, np.float32))
+    for a, b in zip(jax.tree.leaves(grads_mask), jax.tree.leaves(grads_kernel)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    dy = ct.astype(jnp.bfloat16)
+    (dgrad_k, wgrad_k), (dgrad_m, wgrad_m) = grouped_gemm_grads("pallas", "kernel"), grouped_gemm_grads("pallas", "mask")
+    seen.clear()
+    dx_mask = dgrad_m(dy, weights.down_EFD, sizes)
+    assert seen == [("grouped_gemm_dgrad", "mask")]
+    assert not np.any(np.asarray(dx_mask[real:], np.float32))
+    np.testing.assert_array_equal(np.asarray(dx_mask, np.float32),
+                                  np.asarray(dgrad_k(dy, weights.down_EFD, sizes), np.float32))
+    h = x[:, :f]
+    np.testing.assert_array_equal(np.asarray(wgrad_m(h, dy, sizes), np.float32),
+                                  np.asarray(wgrad_k(h, dy, sizes), np.float32))

@@ -57,14 +57,49 @@ def resolve_grouped_gemm(choice: str, *, backend: str, dtype, dim: int, ffn: int
     return (GroupedGemmImpl.PALLAS if all(r is None for r in reasons) else GroupedGemmImpl.XLA).value
 
 
-def grouped_gemm_fn(implementation: str) -> GroupedGemm:
-    """The function for a resolved implementation name."""
+class GroupedGemmTail(StrEnum):
+    """Who zeroes the rows past sum(group_sizes) of the pallas kernel's outputs (GroupedGemmTuning.zero_tail).
+    An expert-parallel receive buffer is mostly such rows (Mixtral EP8: 75%, Qwen3-30B-A3B EP8: 87.5%); there
+    'mask' (the kernel skips them, a select that XLA fuses into the consumer zeroes them) ran the expert FFN
+    fwd+bwd 1.035x / 1.235x faster than 'kernel' (tail tiles store zeros), gradients identical
+    (benchmarks/results/probe_tail_in_ffn_h200.json). With no tail (one expert-parallel rank) they do the
+    same kernel work and 'mask' adds a select, so `auto` keeps 'kernel' there."""
+    KERNEL = "kernel"
+    MASK = "mask"
+    AUTO = "auto"   # resolved at build time: mask for the pallas kernel on an expert-parallel plan, else kernel
+
+
+def resolve_grouped_gemm_tail(choice: str, *, grouped_gemm: str, expert_parallel: bool) -> str:
+    """`auto` -> 'mask' where the pallas kernel runs on receive buffers with a tail (`expert_parallel`: experts
+    split over more than one rank), else 'kernel'. 'mask' with the xla implementation is an error: ragged_dot
+    has no tail tiles to skip."""
+    if choice == GroupedGemmTail.AUTO:
+        return (GroupedGemmTail.MASK if grouped_gemm == GroupedGemmImpl.PALLAS and expert_parallel
+                else GroupedGemmTail.KERNEL).value
+    if choice == GroupedGemmTail.MASK and grouped_gemm != GroupedGemmImpl.PALLAS:
+        raise ValueError(f"config.kernels.grouped_gemm_tail='mask' is an option of the pallas grouped GEMM and "
+                         f"kernels.grouped_gemm resolved to {grouped_gemm!r}; use 'kernel' or 'auto'")
+    return GroupedGemmTail(choice).value
+
+
+def _pallas_tuning(zero_tail: str, m: int, k: int, n: int, g: int):
+    """The kernel's default tiles for this shape with the resolved tail choice."""
+    from pallas_kernels.grouped_gemm import default_tuning
+
+    return dataclasses.replace(default_tuning(m, k, n, g), zero_tail=zero_tail)
+
+
+def grouped_gemm_fn(implementation: str, zero_tail: str = GroupedGemmTail.KERNEL) -> GroupedGemm:
+    """The function for a resolved implementation name (and, for pallas, a resolved GroupedGemmTail)."""
     if implementation == GroupedGemmImpl.XLA:
         return jax.lax.ragged_dot
     if implementation == GroupedGemmImpl.PALLAS:
         from pallas_kernels.grouped_gemm import grouped_gemm
 
-        return lambda x, w, group_sizes: grouped_gemm(x, w, group_sizes)
+        def pallas(x, w, group_sizes):
+            tuning = _pallas_tuning(zero_tail, x.shape[0], x.shape[1], w.shape[2], w.shape[0])
+            return grouped_gemm(x, w, group_sizes, tuning=tuning)
+        return pallas
     raise ValueError(f"grouped GEMM implementation {implementation!r} is not resolved; choose one of "
                      f"xla, pallas (config.kernels.grouped_gemm; 'auto' is resolved by resolve_grouped_gemm).")
 
@@ -103,7 +138,7 @@ def resolve_swiglu(choice: str, **why) -> str:
 GemmGrad = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def grouped_gemm_grads(implementation: str) -> tuple[GemmGrad, GemmGrad]:
+def grouped_gemm_grads(implementation: str, zero_tail: str = GroupedGemmTail.KERNEL) -> tuple[GemmGrad, GemmGrad]:
     """The backward of `grouped_gemm_fn(implementation)` as two separate calls, so a hand-written backward can
     put communication between them (parallel/overlap.py):
         dgrad(dy_MN, w_GKN, group_sizes_G) -> dx_MK     in dy's dtype
@@ -125,8 +160,16 @@ def grouped_gemm_grads(implementation: str) -> tuple[GemmGrad, GemmGrad]:
     if implementation == GroupedGemmImpl.PALLAS:
         from pallas_kernels.grouped_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
 
-        return (lambda dy, w, gs: grouped_gemm_dgrad(dy.astype(w.dtype), w, gs, preferred_element_type=dy.dtype),
-                lambda x, dy, gs: grouped_gemm_wgrad(x, dy.astype(x.dtype), gs, preferred_element_type=x.dtype))
+        def dgrad(dy_MN, w_GKN, group_sizes_G):   # the forward's tuning, as its custom VJP would pass it
+            tuning = _pallas_tuning(zero_tail, dy_MN.shape[0], w_GKN.shape[1], w_GKN.shape[2], w_GKN.shape[0])
+            return grouped_gemm_dgrad(dy_MN.astype(w_GKN.dtype), w_GKN, group_sizes_G,
+                                      preferred_element_type=dy_MN.dtype, tuning=tuning)
+
+        def wgrad(x_MK, dy_MN, group_sizes_G):
+            tuning = _pallas_tuning(zero_tail, x_MK.shape[0], x_MK.shape[1], dy_MN.shape[1], group_sizes_G.shape[0])
+            return grouped_gemm_wgrad(x_MK, dy_MN.astype(x_MK.dtype), group_sizes_G,
+                                      preferred_element_type=x_MK.dtype, tuning=tuning)
+        return dgrad, wgrad
     raise ValueError(f"grouped GEMM implementation {implementation!r} is not resolved; choose one of xla, pallas.")
 
 

@@ -24,11 +24,12 @@ from megascale_jax.model.moe.router import ROUTERS
 
 class MoEFFN(nnx.Module):
     def __init__(self, dim: int, moe_cfg, param_dtype, rngs: nnx.Rngs, *, grouped_gemm: str = "xla",
-                 swiglu: str = "separate"):
-        """moe_cfg: a resolved MoEConfig (balance_group_size > 0). grouped_gemm, swiglu: resolved implementations
-        (model/moe/experts.py GroupedGemmImpl, SwigluImpl)."""
+                 grouped_gemm_tail: str = "kernel", swiglu: str = "separate"):
+        """moe_cfg: a resolved MoEConfig (balance_group_size > 0). grouped_gemm, grouped_gemm_tail, swiglu:
+        resolved implementations (model/moe/experts.py GroupedGemmImpl, GroupedGemmTail, SwigluImpl)."""
         e = moe_cfg
         self.num_experts, self.grouped_gemm, self.swiglu = e.num_experts, grouped_gemm, swiglu
+        self.grouped_gemm_tail = grouped_gemm_tail
         self.router = ROUTERS[e.router_kind](dim, e.num_experts, e.top_k, e.renormalize, e.balance_group_size,
                                              rngs)
         self.experts = SwiGLUExperts(e.num_experts, dim, e.expert_ffn, param_dtype, rngs)
@@ -46,7 +47,7 @@ class MoEFFN(nnx.Module):
         x_TD = x_BSD.reshape(batch * seq, dim)
         with jax.named_scope("route"):
             routing = self.router(x_TD, layout.reductions.token_mean)
-        gemm, weights = grouped_gemm_fn(self.grouped_gemm), self.experts.weights()
+        gemm, weights = grouped_gemm_fn(self.grouped_gemm, self.grouped_gemm_tail), self.experts.weights()
         first = FirstExpertGemms(weights, gemm, self.swiglu)
         last = LastExpertGemm(weights, gemm)
         h_MF, group_sizes, residual = layout.ffn.first_gemm_dispatch(x_TD, routing, first)   # dispatch, experts
