@@ -169,6 +169,16 @@ def test_masked_tail_experts_equal_the_kernel_tail_on_a_receive_buffer(monkeypat
     """The experts on an expert-parallel receive buffer (real rows, then a tail the dispatch filled with zeros)
     with grouped_gemm_tail 'mask' vs 'kernel' (Pallas GPU interpreter): the same outputs (zeros on the tail), the
     same gradients through the autodiff path and through the hand-written backward's dgrad / wgrad calls."""
+    _check_masked_tail_experts(monkeypatch, interpret=True)
+
+
+@pytest.mark.gpu
+def test_gpu_masked_tail_experts_equal_the_kernel_tail_on_a_receive_buffer(monkeypatch):
+    """The same on the GPU (the compiled kernels, the select in XLA's fusions)."""
+    _check_masked_tail_experts(monkeypatch, interpret=False)
+
+
+def _check_masked_tail_experts(monkeypatch, interpret):
     import functools
 
     import pallas_kernels.grouped_gemm as gg
@@ -179,7 +189,7 @@ def test_masked_tail_experts_equal_the_kernel_tail_on_a_receive_buffer(monkeypat
     def interpreted(fn, name):
         def call(*args, tuning=None, **kwargs):
             seen.append((name, tuning.zero_tail))
-            return fn(*args, tuning=tuning, **{**kwargs, "interpret": True})
+            return fn(*args, tuning=tuning, **{**kwargs, "interpret": interpret})
         return call
     for name in ("grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad"):
         monkeypatch.setattr(gg, name, interpreted(getattr(gg, name), name))
