@@ -120,7 +120,7 @@ def test_grouped_gemm_tail_auto_masks_only_expert_parallel_pallas_runs():
 
     ep2 = {"parallel.intra": 2, "parallel.plan": "manual", "parallel.ffn": "ep", "parallel.attention": "sp"}
     for overrides, tail in [({**ep2, "kernels.grouped_gemm": "pallas"}, "mask"),
-                            ({"kernels.grouped_gemm": "pallas"}, "kernel"), (ep2, "kernel")]:   # CPU: auto -> xla
+                            ({"kernels.grouped_gemm": "pallas"}, "kernel"), (ep2, "kernel")]:   # tiny_cpu's fp32: auto -> xla
         cfg = default_config("tiny_cpu", **overrides)
         assert resolve_kernels(cfg, ParallelPlan.from_config(cfg)).grouped_gemm_tail == tail, overrides
     cfg = default_config("tiny_cpu", **{"kernels.grouped_gemm_tail": "mask"})

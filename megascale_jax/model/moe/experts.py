@@ -63,7 +63,10 @@ class GroupedGemmTail(StrEnum):
     'mask' (the kernel skips them, a select that XLA fuses into the consumer zeroes them) ran the expert FFN
     fwd+bwd 1.035x / 1.235x faster than 'kernel' (tail tiles store zeros), gradients identical
     (benchmarks/results/probe_tail_in_ffn_h200.json). With no tail (one expert-parallel rank) they do the
-    same kernel work and 'mask' adds a select, so `auto` keeps 'kernel' there."""
+    same kernel work and 'mask' adds a select, so `auto` keeps 'kernel' there. Kernels that run expert GEMMs
+    with their own tiles keep writing the tail: the fused grouped_swiglu (kernels.swiglu='fused') and, with
+    parallel.dispatch_exchange='mosaic', all_gather_grouped_gemm (gate GEMM) and grouped_gemm_reduce_scatter
+    (down GEMM), whose backwards call dgrad / wgrad with their default tuning."""
     KERNEL = "kernel"
     MASK = "mask"
     AUTO = "auto"   # resolved at build time: mask for the pallas kernel on an expert-parallel plan, else kernel
