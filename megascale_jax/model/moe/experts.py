@@ -163,16 +163,15 @@ def grouped_gemm_grads(implementation: str, zero_tail: str = GroupedGemmTail.KER
     if implementation == GroupedGemmImpl.PALLAS:
         from pallas_kernels.grouped_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
 
-        def dgrad(dy_MN, w_GKN, group_sizes_G):   # the forward's tuning, as its custom VJP would pass it
-            tuning = _pallas_tuning(zero_tail, dy_MN.shape[0], w_GKN.shape[1], w_GKN.shape[2], w_GKN.shape[0])
+        from pallas_kernels.grouped_gemm import default_kernel_tuning
+
+        def dgrad(dy_MN, w_GKN, group_sizes_G):   # dgrad's own default tiles (as with tuning=None), the tail choice
+            (g, k, n), m = w_GKN.shape, dy_MN.shape[0]
+            tuning = dataclasses.replace(default_kernel_tuning("dgrad", k, n, m, g), zero_tail=zero_tail)
             return grouped_gemm_dgrad(dy_MN.astype(w_GKN.dtype), w_GKN, group_sizes_G,
                                       preferred_element_type=dy_MN.dtype, tuning=tuning)
-
-        def wgrad(x_MK, dy_MN, group_sizes_G):
-            tuning = _pallas_tuning(zero_tail, x_MK.shape[0], x_MK.shape[1], dy_MN.shape[1], group_sizes_G.shape[0])
-            return grouped_gemm_wgrad(x_MK, dy_MN.astype(x_MK.dtype), group_sizes_G,
-                                      preferred_element_type=x_MK.dtype, tuning=tuning)
-        return dgrad, wgrad
+        # the weight gradient has no tail (it reads only the groups' rows): its default tuning whatever zero_tail
+        return (dgrad, lambda x, dy, gs: grouped_gemm_wgrad(x, dy.astype(x.dtype), gs, preferred_element_type=x.dtype))
     raise ValueError(f"grouped GEMM implementation {implementation!r} is not resolved; choose one of xla, pallas.")
 
 
