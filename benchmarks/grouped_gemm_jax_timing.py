@@ -2,6 +2,7 @@
 FLOPs, tokamax and ragged_dot_mgpu, the forward tilings of --sweep, and how one case is timed (a loop of calls
 between two host syncs) and checked (an fp32 product on sampled rows, an exactly zero tail)."""
 import dataclasses
+import functools
 import statistics
 import sys
 import time
@@ -169,7 +170,31 @@ def jax_impls(m, k, n, g, args):
     if base.dgrad.tile_k != 64:
         dk64 = dataclasses.replace(base, dgrad=dataclasses.replace(base.dgrad, tile_k=64, max_concurrent_steps=4))
         impls["ours_dgrad_k64"] = lambda x, w, gs: grouped_gemm(x, w, gs, interpret=interp, tuning=dk64)
+    # the cooperative schedule where the default takes the ping-pong one (short reductions), same run
+    coop = default_tuning(m, k, n, g, pingpong=False)
+    if coop != base:
+        impls["ours_cooperative"] = functools.partial(_with_tuning, interpret=interp, tuning=coop)
+    # the ping-pong schedule (GemmTiling.schedule): each compute warpgroup on its own tiles, forward and dgrad
+    for label, tm, tn, tk, depth in PINGPONG_TILES:
+        if n % tn == 0 and k % tn == 0 and k % tk == 0 and n % tk == 0:
+            pp = GemmTiling(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=depth, schedule="pingpong")
+            tun = dataclasses.replace(base, fwd=pp, dgrad=pp)
+            impls[label] = functools.partial(_with_tuning, interpret=interp, tuning=tun)
+    # the weight gradient's ping-pong schedule (128 x 128 tiles of dw per warpgroup) on the default tuning
+    if k % 128 == 0 and n % 128 == 0:
+        wgrad_pp = GemmTiling(max_concurrent_steps=6, schedule="pingpong")
+        impls["ours_pingpong_wgrad"] = functools.partial(
+            _with_tuning, interpret=interp, tuning=dataclasses.replace(base, wgrad=wgrad_pp))
     return impls
+
+
+# (label, tile_m, tile_n, tile_k, depth): each compute warpgroup's tile; depth is cut by fit_smem if needed
+PINGPONG_TILES = (("ours_pingpong", 128, 128, 64, 6), ("ours_pingpong_k128", 128, 128, 128, 3),
+                  ("ours_pingpong_64x256", 64, 256, 64, 4))
+
+
+def _with_tuning(x, w, gs, interpret, tuning):
+    return grouped_gemm(x, w, gs, interpret=interpret, tuning=tuning)
 
 
 def mgpu_fwd(gs, m, n):

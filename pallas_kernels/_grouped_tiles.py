@@ -41,7 +41,10 @@ SMEM_BUDGET = 227 * 1024 - 2048  # Hopper's per-block opt-in limit, less room fo
 @dataclasses.dataclass(frozen=True)
 class GemmTiling:
     """Tiles of one kernel. Each of the 2 compute warpgroups owns a `tile_m x tile_n` accumulator;
-    `wg_split` says whether they sit side by side along N (CTA tile tile_m x 2*tile_n) or along M."""
+    `wg_split` says whether they sit side by side along N (CTA tile tile_m x 2*tile_n) or along M.
+    `schedule`: 'cooperative' (both warpgroups on one CTA tile, as above) or 'pingpong' (each warpgroup on
+    its own work items of tile_m x tile_n, one's epilogue under the other's MMAs: `_pingpong_body.py`;
+    wg_split and chain_items do not apply, split_k must be 1)."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -61,14 +64,22 @@ class GemmTiling:
     # split_k-th of K each, writing fp32 partials that the launcher sums. More items for shapes with fewer
     # tiles than SMs (few tokens per expert); off (1) by default until measured.
     split_k: int = 1
+    schedule: str = "cooperative"
 
     @property
-    def cta_m(self) -> int:
+    def cta_m(self) -> int:   # the rows of one work item (the work tables' row tile)
+        if self.schedule == "pingpong":
+            return self.tile_m
         return self.tile_m * (NUM_COMPUTE_WGS if self.wg_split == "m" else 1)
 
     @property
-    def cta_n(self) -> int:
+    def cta_n(self) -> int:   # the columns of one work item
+        if self.schedule == "pingpong":
+            return self.tile_n
         return self.tile_n * (NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
+
+
+SCHEDULES = ("cooperative", "pingpong")
 
 
 ZERO_TAILS = ("kernel", "mask", "none")   # who writes rows past sum(group_sizes): GroupedGemmTuning.zero_tail
@@ -128,7 +139,7 @@ def fit_wgrad_tiling(base: GemmTiling, k: int, n: int) -> GemmTiling:
                      "pad the weights")
 
 
-def default_tuning(m: int, k: int, n: int, num_groups: int) -> GroupedGemmTuning:
+def default_tuning(m: int, k: int, n: int, num_groups: int, pingpong: bool = True) -> GroupedGemmTuning:
     """Defaults by shape: the widest CTA tile that divides the output (forward writes N columns, dgrad
     K columns, wgrad K x N), with the forward's pipelines chained across work items. Measured
     on the H200, each against the alternatives in one run (benchmarks/results/grouped_gemm_sweep_h200.json,
@@ -144,13 +155,57 @@ def default_tuning(m: int, k: int, n: int, num_groups: int) -> GroupedGemmTuning
         (reduction 2048, below the rule) 661 vs 659, Qwen3's (768) 567 vs 616 (grouped_gemm_backward_sweep_h200.json);
         chained dgrad items measured within 1.6% either way (690.6 / 626.3 / 658.2 vs 690.4 / 615.8 / 659.2): off;
       * few rows per group (M / G <= SMALL_GROUP_ROWS) where the output width falls back to 256-row CTAs: 128-row
-        CTAs instead (`_rows_for_small_groups`)."""
+        CTAs instead (`_rows_for_small_groups`);
+      * short reductions (<= PINGPONG_MAX_REDUCTION) take the ping-pong schedule (`_pingpong_for_short_reductions`),
+        and so does the weight gradient of small groups (`_pingpong_wgrad_for_small_groups`).
+    `pingpong=False` keeps the cooperative schedule everywhere: the fused exchange kernels, whose hooks need it."""
     rows_per_group = m / max(num_groups, 1)
     fwd = _long_reduction_steps(fit_tiling(GemmTiling(chain_items=True), n, "N"), reduction=k, out_cols=n)
     dgrad = _long_reduction_steps(fit_tiling(GemmTiling(), k, "K"), reduction=n, out_cols=k)
     wgrad = fit_wgrad_tiling(GemmTiling(), k, n)
-    return GroupedGemmTuning(fwd=_rows_for_small_groups(fwd, n, rows_per_group),
-                             dgrad=_rows_for_small_groups(dgrad, k, rows_per_group), wgrad=wgrad)
+    fwd, dgrad = _rows_for_small_groups(fwd, n, rows_per_group), _rows_for_small_groups(dgrad, k, rows_per_group)
+    if pingpong:
+        fwd, dgrad = _pingpong_for_short_reductions(fwd, k, n), _pingpong_for_short_reductions(dgrad, n, k)
+        wgrad = _pingpong_wgrad_for_small_groups(wgrad, k, n, rows_per_group)
+    return GroupedGemmTuning(fwd=fwd, dgrad=dgrad, wgrad=wgrad)
+
+
+# The ping-pong schedule (each compute warpgroup on its own 128 x 128 tiles, 64-wide K steps six deep) against
+# the cooperative tiles above, forward and input gradient, in one run on the H200
+# (benchmarks/results/grouped_gemm_pingpong_h200.json): it wins where the reduction is short, so that the
+# epilogue it hides is a large share of a work item: forward DeepSeekMoE EP1 (K 2048) 620 vs 582 TFLOP/s, Qwen3
+# EP8 (K 2048) 628 vs 581, EP1 558 vs 550; the input gradients over N = 1408 / 768 / 2048 (DeepSeekMoE, Qwen3,
+# DeepSeek-V3) likewise. It loses where the reduction is long (its tile reads 1.5x the bytes per FLOP of the
+# 128 x 256 CTA): forward Mixtral (K 4096) 626 vs 663, DeepSeek-V3 (K 7168) 644 vs 661, 8x22B (K 6144) 658
+# vs 674; Mixtral's input gradient (reduction 14336) within 1.3%.
+PINGPONG_MAX_REDUCTION = 2048
+PINGPONG_TILING = GemmTiling(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=6, schedule="pingpong")
+
+
+# The weight gradient reduces over a group's rows. Its ping-pong schedule (128 x 128 dw tiles per warpgroup,
+# six stages) vs the cooperative tiles, fwd+bwd, one run (benchmarks/results/grouped_gemm_pingpong_wgrad_h200.json):
+# DeepSeekMoE EP1 (768 rows per group) 597 vs 571 TFLOP/s, Qwen3 EP1 (512) 550 vs 523; slower at 2048 rows
+# per group: Mixtral EP1 637 vs 656, DeepSeek-V3 EP8 625 vs 651. Between 768 and 2048 nothing was measured:
+# the threshold sits between them. M / G is the buffer's rows per group (an upper bound of the routed rows).
+PINGPONG_WGRAD_MAX_ROWS = 1024
+
+
+def _pingpong_wgrad_for_small_groups(cfg: GemmTiling, k: int, n: int, rows_per_group: float) -> GemmTiling:
+    """The weight gradient's ping-pong tiles where groups hold <= PINGPONG_WGRAD_MAX_ROWS rows and K and N are
+    multiples of 128; else `cfg` unchanged."""
+    tile = PINGPONG_TILING
+    if rows_per_group <= PINGPONG_WGRAD_MAX_ROWS and k % tile.tile_m == 0 and n % tile.tile_n == 0:
+        return dataclasses.replace(tile, epi_tile_n=cfg.epi_tile_n)
+    return cfg
+
+
+def _pingpong_for_short_reductions(cfg: GemmTiling, reduction: int, out_cols: int) -> GemmTiling:
+    """The ping-pong tiles for a forward / input gradient whose reduction is <= PINGPONG_MAX_REDUCTION and whose
+    output width is a multiple of 128; else `cfg` unchanged."""
+    if reduction <= PINGPONG_MAX_REDUCTION and out_cols % PINGPONG_TILING.tile_n == 0 \
+            and reduction % PINGPONG_TILING.tile_k == 0:
+        return PINGPONG_TILING
+    return cfg
 
 
 # A group's last row tile is partly empty: about half a CTA tile of wasted rows per group on average. An output
@@ -185,8 +240,11 @@ def default_kernel_tuning(kernel: str, k: int, n: int, m: int | None = None,
         fit = _long_reduction_steps(fit_tiling(GemmTiling(), k, "K"), reduction=n, out_cols=k)
         if m is not None and num_groups:
             fit = _rows_for_small_groups(fit, k, m / num_groups)
+        fit = _pingpong_for_short_reductions(fit, reduction=n, out_cols=k)
     else:
         fit = fit_wgrad_tiling(GemmTiling(), k, n)
+        if m is not None and num_groups:
+            fit = _pingpong_wgrad_for_small_groups(fit, k, n, m / num_groups)
     return dataclasses.replace(GroupedGemmTuning(), **{kernel: fit})
 
 
@@ -227,6 +285,8 @@ def fit_ragged_tiling(cfg, k_dim: int, out_dtype, operand_cols: int | None = Non
     only where a depth >= 2 divides the K steps. `operand_cols`: the weight columns one stage holds (default
     cta_n; a kernel with two weight operands holds twice its tile)."""
     cfg = fit_smem(cfg, (cfg.cta_m + (operand_cols or cfg.cta_n)) * cfg.tile_k, out_dtype)
+    if cfg.schedule == "pingpong":   # one ring of stages across all items: nothing to chain
+        return dataclasses.replace(cfg, chain_items=False)
     if cfg.chain_items:   # chained pipelines need the K steps (of one split) to be a multiple of the depth
         steps = k_dim // cfg.tile_k // cfg.split_k
         depths = [s for s in range(cfg.max_concurrent_steps, 1, -1) if steps % s == 0]
@@ -241,6 +301,11 @@ def check_tiling(name: str, cfg: GemmTiling, dims_and_tiles, what: str, split: b
     if not isinstance(cfg.split_k, int) or cfg.split_k < 1 or (cfg.split_k > 1 and not split):
         raise ValueError(f"tuning.{name}.split_k={cfg.split_k!r} must be an int >= 1" +
                          ("" if split else f" and 1 for the {what} kernel (it does not split its reduction)"))
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"tuning.{name}.schedule={cfg.schedule!r} must be one of {SCHEDULES}")
+    if cfg.schedule == "pingpong" and cfg.split_k > 1:
+        raise ValueError(f"tuning.{name}.schedule='pingpong' needs split_k=1 (got split_k={cfg.split_k}): use "
+                         "schedule='cooperative' to split the reduction")
     if cfg.wg_split not in ("m", "n"):
         raise ValueError(f"tuning.{name}.wg_split must be 'm' or 'n', got {cfg.wg_split!r}")
     if cfg.tile_n % cfg.epi_tile_n:

@@ -24,6 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, epilogue_smem, stage_zeros, store_rows,
                                            swizzle_transforms, warpgroup_tile)
+from pallas_kernels._pingpong_body import pingpong_kernel
 from pallas_kernels._work_tables import ROW_ALIGN
 
 __all__ = ["ragged_kernel"]
@@ -65,7 +66,13 @@ def ragged_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: Ge
 
     With `cfg.split_k` = S > 1 every work item is S items, each over one S-th of K, storing an fp32 partial at
     rows ks * M of out_gmem [S * M, N] (the tail's zeros in every partial); the launcher sums them.
-    `ctas`, `before_slot`, `store_tile`: see the module docstring (the hooks need an unsplit reduction)."""
+    `ctas`, `before_slot`, `store_tile`: see the module docstring (the hooks need an unsplit reduction).
+    `cfg.schedule='pingpong'` runs `pingpong_kernel` instead (no hooks)."""
+    if cfg.schedule == "pingpong":
+        if ctas is not None or before_slot is not None or store_tile is not None:
+            raise ValueError("tuning schedule='pingpong' takes no ctas / before_slot / store_tile hooks: use "
+                             "schedule='cooperative' for the fused exchange kernels")
+        return pingpong_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, cfg=cfg, transpose_w=transpose_w)
     assert (before_slot is None and store_tile is None) or cfg.split_k == 1, "the hooks need split_k = 1"
     m, k = x_gmem.shape
     n = out_gmem.shape[1]

@@ -188,7 +188,7 @@ def _validate(send_MD, counts_SPG, w_GDN, capacity, tiling, send_ctas):
     check_dtypes("send_MD", send_MD, "w_GDN", w_GDN, None)
     if d % 128:   # the pushed boxes are 128 or 256 columns wide
         raise ValueError(f"all_gather_grouped_gemm: D={d} must be a multiple of 128; pad it")
-    cfg = fit_ragged_tiling(tiling or default_tuning(capacity, d, nn, g).fwd, d, send_MD.dtype)
+    cfg = fit_ragged_tiling(tiling or default_tuning(capacity, d, nn, g, pingpong=False).fwd, d, send_MD.dtype)
     for name, dim, tile in (("N (w_GDN dim 2)", nn, cfg.cta_n), ("D", d, cfg.tile_k), ("capacity", capacity, ROW_ALIGN)):
         if dim % tile:
             raise ValueError(f"all_gather_grouped_gemm: {name}={dim} must be a multiple of {tile}; pad it")

@@ -13,6 +13,8 @@ Two kernel bodies (three launches), one persistent warp-specialised design (1 TM
                           binary ladder).
   * `_weight_grad_kernel` `dw[g] = x_gᵀ · dy_g`: work items are (group, K tile, N tile); the reduction runs
                           over the group's token blocks, rows of neighbouring groups masked in SMEM.
+Both have a ping-pong twin in _pingpong_body.py (`GemmTiling.schedule='pingpong'`: each compute warpgroup on
+its own work items), which the default tuning takes for short reductions.
 Public entry points, each validated and each with a plain-jnp `*_reference` twin (grouped_gemm_reference.py):
 `grouped_gemm` (differentiable: `jax.custom_vjp`), `grouped_gemm_dgrad` and `grouped_gemm_wgrad`. The
 custom VJP's backward is exactly those two calls, so a hand-written backward can put communication
@@ -34,6 +36,7 @@ from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedG
                                            check_group_sizes, check_tiling, check_tuning_enums, default_kernel_tuning,
                                            default_tuning, epilogue_smem, fit_ragged_tiling, fit_smem, mask_token_rows,
                                            persistent_kernel, sm_count, store_rows, swizzle_transforms, warpgroup_tile)
+from pallas_kernels._pingpong_body import pingpong_weight_grad_kernel
 from pallas_kernels._ragged_body import ragged_kernel
 from pallas_kernels._work_tables import ROW_ALIGN, cut_group_sizes, row_tile_table, token_block_table
 from pallas_kernels.grouped_gemm_reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
@@ -158,7 +161,8 @@ def _ragged_matmul(x, w, group_sizes, out_dtype, cfg, transpose_w, num_sms, inte
 def _weight_grad(x, dy, group_sizes, out_dtype, cfg, num_sms, interpret, tables="scan"):
     cfg = fit_smem(cfg, (cfg.cta_m + cfg.cta_n) * cfg.tile_k, out_dtype)
     table = token_block_table(group_sizes, x.shape[0], cfg.tile_k, method=tables)
-    body = functools.partial(_weight_grad_kernel, cfg=cfg)
+    kernel = pingpong_weight_grad_kernel if cfg.schedule == "pingpong" else _weight_grad_kernel
+    body = functools.partial(kernel, cfg=cfg)
     shape = (group_sizes.shape[0], x.shape[1], dy.shape[1])
     return _launch(body, shape, out_dtype, num_sms, interpret, table, x, dy)
 
@@ -208,7 +212,7 @@ def _validate_wgrad(x_MK, dy_MN, group_sizes_G, preferred_element_type, tuning):
                          "the cotangent of row r of grouped_gemm's output)")
     check_group_sizes(group_sizes_G, group_sizes_G.shape[0] if group_sizes_G.ndim == 1 else "G")
     out_dtype = check_dtypes("x_MK", x_MK, "dy_MN", dy_MN, preferred_element_type)
-    tuning = tuning or default_kernel_tuning("wgrad", k, n)
+    tuning = tuning or default_kernel_tuning("wgrad", k, n, m, group_sizes_G.shape[0])
     check_tiling("wgrad", tuning.wgrad, [("K", k, tuning.wgrad.cta_m), ("N", n, tuning.wgrad.cta_n)],
                  "weight gradient", split=False)
     check_tuning_enums(tuning)

@@ -118,7 +118,7 @@ def _validate(h_RF, counts_SPG, w_GFD, tiling):
     for name, dim in (("F", f), ("D (w_GFD dim 2)", d)):   # before the default tiles, which need both
         if dim % 64:
             raise ValueError(f"grouped_gemm_reduce_scatter: {name}={dim} must be a multiple of 64; pad it")
-    cfg = fit_ragged_tiling(tiling or default_tuning(r, f, d, g).fwd, f, h_RF.dtype)
+    cfg = fit_ragged_tiling(tiling or default_tuning(r, f, d, g, pingpong=False).fwd, f, h_RF.dtype)
     for name, dim, tile in (("D (w_GFD dim 2)", d, cfg.cta_n), ("F", f, cfg.tile_k), ("R (h_RF rows)", r, ROW_ALIGN)):
         if dim % tile:
             raise ValueError(f"grouped_gemm_reduce_scatter: {name}={dim} must be a multiple of {tile}; pad it")

@@ -142,6 +142,8 @@ def test_interpret_weight_gradient_ignores_nan_in_x_rows_outside_the_groups(zero
     assert _rel_err(got, want) < 1e-5
 
 
+PINGPONG_SMALL = GemmTiling(tile_m=64, tile_n=64, max_concurrent_steps=3, grid_tile_width=2, schedule="pingpong")
+
 # Epilogue and K-tile variants of the small tiles: two staging slots (odd and even chunk counts per tile),
 # 128-wide K steps. The tail case stores zero tiles straight from SMEM.
 VARIANT_TUNINGS = {
@@ -161,6 +163,12 @@ VARIANT_TUNINGS = {
     "split_k2_chained": dataclasses.replace(
         SMALL_TUNING, fwd=dataclasses.replace(SMALL_TUNING.fwd, split_k=2, chain_items=True),
         dgrad=dataclasses.replace(SMALL_TUNING.dgrad, split_k=2, chain_items=True)),
+    # the ping-pong schedule (each warpgroup on its own work items, one ring of stages), forward and dgrad;
+    # depth 3 over 4 K steps: the ring's stages and phases wrap inside and across items
+    "pingpong": dataclasses.replace(SMALL_TUNING, fwd=PINGPONG_SMALL, dgrad=PINGPONG_SMALL),
+    "pingpong_mask_tail": dataclasses.replace(SMALL_TUNING, fwd=PINGPONG_SMALL, dgrad=PINGPONG_SMALL,
+                                              zero_tail="mask"),
+    "pingpong_wgrad": dataclasses.replace(SMALL_TUNING, wgrad=PINGPONG_SMALL),
     # chained K pipelines across an SM's work items (START / STEADY / STOP), with and without a tail
     "chain_items": GroupedGemmTuning(
         fwd=dataclasses.replace(SMALL_TUNING.fwd, chain_items=True),
@@ -243,20 +251,55 @@ def test_default_tuning_fits_the_paper_expert_shapes():
     (2048, 768, 64, 64),       # Qwen3-30B-A3B: fine-grained, 64-wide steps four deep
 ])
 def test_default_tuning_takes_128_wide_k_steps_for_long_reductions(k, n, fwd_k, dgrad_k):
-    t = default_tuning(8192, k, n, 8)
+    t = default_tuning(8192, k, n, 8, pingpong=False)   # the cooperative tiles (the ping-pong rule: below)
     assert (t.fwd.tile_k, t.dgrad.tile_k) == (fwd_k, dgrad_k)
     assert t.fwd.max_concurrent_steps == (2 if fwd_k == 128 else 4)
-    assert t.dgrad == default_kernel_tuning("dgrad", k, n, 8192, 8).dgrad   # dgrad alone gets the same tiles
+    # dgrad alone gets the same tiles, ping-pong rule included
+    assert default_tuning(8192, k, n, 8).dgrad == default_kernel_tuning("dgrad", k, n, 8192, 8).dgrad
+
+
+@pytest.mark.parametrize("k, n, fwd, dgrad", [
+    (4096, 14336, "cooperative", "cooperative"),   # Mixtral gate/up: reductions 4096 / 14336
+    (14336, 4096, "cooperative", "cooperative"),   # Mixtral down
+    (7168, 2048, "cooperative", "pingpong"),       # DeepSeek-V3: the input gradient reduces over 2048
+    (2048, 768, "pingpong", "pingpong"),           # Qwen3-30B-A3B
+    (2048, 1408, "pingpong", "pingpong"),          # DeepSeekMoE
+    (2048, 704, "cooperative", "pingpong"),        # DeepSeekMoE over TP 2: 704 output columns, no multiple of 128
+])
+def test_default_tuning_takes_pingpong_for_short_reductions(k, n, fwd, dgrad):
+    t = default_tuning(8192, k, n, 8)
+    assert (t.fwd.schedule, t.dgrad.schedule) == (fwd, dgrad)
+    coop = default_tuning(8192, k, n, 8, pingpong=False)
+    assert coop.fwd.schedule == coop.dgrad.schedule == "cooperative"
+    for cfg, cols in ((t.fwd, n), (t.dgrad, k)):
+        assert cols % cfg.cta_n == 0
+        if cfg.schedule == "pingpong":   # one warpgroup's tile is one work item
+            assert (cfg.cta_m, cfg.cta_n) == (cfg.tile_m, cfg.tile_n) and not cfg.chain_items
+
+
+@pytest.mark.parametrize("m, g, k, n, schedule", [
+    (49152, 64, 2048, 1408, "pingpong"),      # DeepSeekMoE EP1: 768 rows per group
+    (65536, 128, 2048, 768, "pingpong"),      # Qwen3-30B-A3B EP1: 512
+    (16384, 8, 4096, 14336, "cooperative"),   # Mixtral EP1: 2048
+    (196608, 64, 2048, 1408, "cooperative"),  # DeepSeekMoE at 32k tokens: 3072
+    (49152, 64, 2048, 704, "cooperative"),    # N = 704 is no multiple of the 128-wide tile
+])
+def test_default_weight_gradient_takes_pingpong_for_small_groups(m, g, k, n, schedule):
+    t = default_tuning(m, k, n, g)
+    assert t.wgrad.schedule == schedule
+    assert k % t.wgrad.cta_m == 0 and n % t.wgrad.cta_n == 0
+    assert default_kernel_tuning("wgrad", k, n, m, g).wgrad == t.wgrad   # wgrad alone gets the same tiles
+    assert default_tuning(m, k, n, g, pingpong=False).wgrad.schedule == "cooperative"
 
 
 @pytest.mark.parametrize("m, g, cta_rows", [(49152, 64, 128), (49152, 8, 256)])
 def test_default_tuning_takes_128_row_ctas_for_few_rows_per_group(m, g, cta_rows):
     # DeepSeekMoE's N = 1408 is no multiple of 256: warpgroups stack along M (256-row CTAs) unless groups are
     # small (768 rows each at 64 groups), where a group's partly empty last tile would waste 128 rows
-    t = default_tuning(m, 2048, 1408, g)
+    t = default_tuning(m, 2048, 1408, g, pingpong=False)
     assert (t.fwd.cta_m, t.fwd.cta_n) == (cta_rows, 128)
     assert 1408 % t.fwd.cta_n == 0 and t.fwd.chain_items
-    assert default_tuning(m, 2048, 4096, g).fwd.cta_m == 128   # side-by-side warpgroups: 128 rows already
+    assert default_tuning(m, 2048, 4096, g, pingpong=False).fwd.cta_m == 128   # side-by-side warpgroups: 128 rows already
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -270,6 +313,8 @@ def test_default_tuning_takes_128_row_ctas_for_few_rows_per_group(m, g, cta_rows
     (dict(fwd=dict(split_k=4)), "K 128 is not a multiple of the tuning.fwd tile 256"),
     (dict(fwd=dict(split_k=0)), "tuning.fwd.split_k=0 must be an int >= 1"),
     (dict(wgrad=dict(split_k=2)), "tuning.wgrad.split_k=2 must be an int >= 1 and 1 for the weight gradient"),
+    (dict(fwd=dict(schedule="bogus")), "tuning.fwd.schedule='bogus' must be one of"),
+    (dict(fwd=dict(schedule="pingpong", split_k=2)), "tuning.fwd.schedule='pingpong' needs split_k=1"),
 ])
 def test_bad_input_raises_clear_value_error(bad, match):
     x = jnp.zeros(bad.get("x", (64, 128)), bad.get("x_dtype", jnp.bfloat16))
@@ -280,7 +325,7 @@ def test_bad_input_raises_clear_value_error(bad, match):
         tuning = dataclasses.replace(default_tuning(64, 128, 128, 2), zero_tail=bad["zero_tail"])
     for kernel in ("fwd", "wgrad"):
         if kernel in bad:
-            base = default_tuning(64, 128, 128, 2)
+            base = default_tuning(64, 128, 128, 2, pingpong=False)
             tuning = dataclasses.replace(base, **{kernel: dataclasses.replace(getattr(base, kernel), **bad[kernel])})
     with pytest.raises(ValueError, match=match):
         grouped_gemm(x, w, sizes, preferred_element_type=bad.get("out"), interpret=True, tuning=tuning)
@@ -417,7 +462,11 @@ def test_gpu_unwritten_tail_keeps_computed_rows_and_weight_gradient_exact():
     GemmTiling(epi_slots=2), GemmTiling(tile_k=128, max_concurrent_steps=3), GemmTiling(wg_split="m"),
     GemmTiling(tile_n=64, epi_slots=2, max_concurrent_steps=6), GemmTiling(tile_n=128, epi_tile_n=128),
     GemmTiling(chain_items=True), GemmTiling(chain_items=True, epi_slots=2, wg_split="m"),
-], ids=["epi2", "k128", "split_m", "n64_epi2", "epi128", "chain", "chain_epi2_split_m"])
+    GemmTiling(max_concurrent_steps=6, schedule="pingpong"),
+    GemmTiling(tile_k=128, max_concurrent_steps=3, schedule="pingpong"),
+    GemmTiling(tile_m=64, tile_n=256, epi_slots=2, schedule="pingpong"),
+], ids=["epi2", "k128", "split_m", "n64_epi2", "epi128", "chain", "chain_epi2_split_m", "pingpong",
+        "pingpong_k128", "pingpong_64x256_epi2"])
 def test_gpu_forward_tiling_variants_match_ragged_dot(fwd):
     """The forward tilings the shape table may choose, on ragged groups with a tail, dirty memory."""
     sizes = [700, 0, 1500, 33, 0, 900, 1, 400]
@@ -506,3 +555,15 @@ def test_gpu_dgrad_and_wgrad_match_their_references(out_dtype):
     dy = dy.astype(jnp.bfloat16)
     _poison_device_memory(64 << 20)
     _check_dgrad_wgrad(x, w, dy, group_sizes, out_dtype=out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_pingpong_weight_gradient_matches_its_reference(out_dtype):
+    """The ping-pong weight gradient (each warpgroup on its own (group, K, N) tiles, a running step count over
+    groups of any size, empty ones storing zeros) on ragged groups, dirty memory."""
+    x, w, dy, group_sizes = _random_problem(29, 4096, 512, 1024, [700, 0, 1500, 33, 0, 900, 1, 400])
+    tuning = dataclasses.replace(default_tuning(4096, 512, 1024, 8), wgrad=GemmTiling(max_concurrent_steps=6,
+                                                                                      schedule="pingpong"))
+    _poison_device_memory(64 << 20)
+    _check_dgrad_wgrad(x, w, dy.astype(jnp.bfloat16), group_sizes, out_dtype=out_dtype, tuning=tuning)
