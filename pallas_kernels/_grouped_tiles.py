@@ -2,10 +2,10 @@
 
 One owner per concern: a second kernel (a fused all-gather + grouped GEMM) imports these pieces instead
 of copying them, and `grouped_gemm.py` keeps the kernel bodies, launch, validation and custom VJP.
-  * Tiling:       `GemmTiling`, `GroupedGemmTuning` (both re-exported by grouped_gemm.py); defaults by
-                  shape (`default_tuning`; `default_kernel_tuning` for one kernel called on its own);
-                  `fit_smem` (pipeline depth vs SMEM), `fit_ragged_tiling` (the forward / dgrad tiles as run),
-                  `sm_count` (the persistent grid's size).
+  * Tiling:       `GemmTiling`, `GroupedGemmTuning` (both re-exported by grouped_gemm.py); `fit_tiling` /
+                  `fit_wgrad_tiling` (the widest tiles that divide an output); `fit_smem` (pipeline depth vs
+                  SMEM), `fit_ragged_tiling` (the forward / dgrad tiles as run), `sm_count` (the persistent
+                  grid's size). The defaults by shape, built from these, are in `_default_tuning.py`.
   * Checks:       `check_tiling` (a hand-made tuning fits the shape), `check_dtypes`, `check_group_sizes`,
                   `check_tuning_enums`: what every entry point's validation shares, with the same messages.
   * Work tables:  in `_work_tables.py` (which rows each work item covers, computed on device).
@@ -137,115 +137,6 @@ def fit_wgrad_tiling(base: GemmTiling, k: int, n: int) -> GemmTiling:
             return dataclasses.replace(base, wg_split=split, tile_m=tile_m, tile_n=tile_n, epi_tile_n=64)
     raise ValueError(f"weight gradient needs K={k} or N={n} to be a multiple of 128 (the other of 64); "
                      "pad the weights")
-
-
-def default_tuning(m: int, k: int, n: int, num_groups: int, pingpong: bool = True) -> GroupedGemmTuning:
-    """Defaults by shape: the widest CTA tile that divides the output (forward writes N columns, dgrad
-    K columns, wgrad K x N), with the forward's pipelines chained across work items. Measured
-    on the H200, each against the alternatives in one run (benchmarks/results/grouped_gemm_sweep_h200.json,
-    grouped_gemm_chain_sweep_h200.json):
-      * the forward of large experts (K >= 4096, N >= 2048: Mixtral, DeepSeek-V3) takes 128-wide K steps two
-        deep: 677 vs 650 TFLOP/s (Mixtral 8x7B), 676 vs 651 (DeepSeek-V3 EP 8) against 64-wide four deep;
-      * chained pipelines: +0.1..2.3% forward on all 8 (shape, routing) pairs timed (DeepSeekMoE 628 vs 614,
-        Mixtral with 128-wide steps 680 vs 666, Qwen3 575 vs 571); chained with two epilogue slots was slower
-        (478), so epi_slots stays 1;
-      * on the fine-grained shapes (K = 2048, N <= 1408) no swept tiling beat these by more than ~2%;
-      * the input gradient follows the same rule with its own roles (it reduces over N and writes K columns):
-        Mixtral's gate/up dgrad (reduction 14336) 708 vs 690 TFLOP/s with 128-wide steps, DeepSeek-V3's
-        (reduction 2048, below the rule) 661 vs 659, Qwen3's (768) 567 vs 616 (grouped_gemm_backward_sweep_h200.json);
-        chained dgrad items measured within 1.6% either way (690.6 / 626.3 / 658.2 vs 690.4 / 615.8 / 659.2): off;
-      * few rows per group (M / G <= SMALL_GROUP_ROWS) where the output width falls back to 256-row CTAs: 128-row
-        CTAs instead (`_rows_for_small_groups`);
-      * short reductions (<= PINGPONG_MAX_REDUCTION) take the ping-pong schedule (`_pingpong_for_short_reductions`),
-        and so does the weight gradient of small groups (`_pingpong_wgrad_for_small_groups`).
-    `pingpong=False` keeps the cooperative schedule everywhere: the fused exchange kernels, whose hooks need it."""
-    rows_per_group = m / max(num_groups, 1)
-    fwd = _long_reduction_steps(fit_tiling(GemmTiling(chain_items=True), n, "N"), reduction=k, out_cols=n)
-    dgrad = _long_reduction_steps(fit_tiling(GemmTiling(), k, "K"), reduction=n, out_cols=k)
-    wgrad = fit_wgrad_tiling(GemmTiling(), k, n)
-    fwd, dgrad = _rows_for_small_groups(fwd, n, rows_per_group), _rows_for_small_groups(dgrad, k, rows_per_group)
-    if pingpong:
-        fwd, dgrad = _pingpong_for_short_reductions(fwd, k, n), _pingpong_for_short_reductions(dgrad, n, k)
-        wgrad = _pingpong_wgrad_for_small_groups(wgrad, k, n, rows_per_group)
-    return GroupedGemmTuning(fwd=fwd, dgrad=dgrad, wgrad=wgrad)
-
-
-# The ping-pong schedule (each compute warpgroup on its own 128 x 128 tiles, 64-wide K steps six deep) against
-# the cooperative tiles above, forward and input gradient, in one run on the H200
-# (benchmarks/results/grouped_gemm_pingpong_h200.json): it wins where the reduction is short, so that the
-# epilogue it hides is a large share of a work item: forward DeepSeekMoE EP1 (K 2048) 620 vs 582 TFLOP/s, Qwen3
-# EP8 (K 2048) 628 vs 581, EP1 558 vs 550; the input gradients over N = 1408 / 768 / 2048 (DeepSeekMoE, Qwen3,
-# DeepSeek-V3) likewise. It loses where the reduction is long (its tile reads 1.5x the bytes per FLOP of the
-# 128 x 256 CTA): forward Mixtral (K 4096) 626 vs 663, DeepSeek-V3 (K 7168) 644 vs 661, 8x22B (K 6144) 658
-# vs 674; Mixtral's input gradient (reduction 14336) within 1.3%.
-PINGPONG_MAX_REDUCTION = 2048
-PINGPONG_TILING = GemmTiling(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=6, schedule="pingpong")
-
-
-# The weight gradient reduces over a group's rows. Its ping-pong schedule (128 x 128 dw tiles per warpgroup,
-# six stages) vs the cooperative tiles, fwd+bwd, one run (benchmarks/results/grouped_gemm_pingpong_wgrad_h200.json):
-# DeepSeekMoE EP1 (768 rows per group) 597 vs 571 TFLOP/s, Qwen3 EP1 (512) 550 vs 523; slower at 2048 rows
-# per group: Mixtral EP1 637 vs 656, DeepSeek-V3 EP8 625 vs 651. Between 768 and 2048 nothing was measured:
-# the threshold sits between them. M / G is the buffer's rows per group (an upper bound of the routed rows).
-PINGPONG_WGRAD_MAX_ROWS = 1024
-
-
-def _pingpong_wgrad_for_small_groups(cfg: GemmTiling, k: int, n: int, rows_per_group: float) -> GemmTiling:
-    """The weight gradient's ping-pong tiles where groups hold <= PINGPONG_WGRAD_MAX_ROWS rows and K and N are
-    multiples of 128; else `cfg` unchanged."""
-    tile = PINGPONG_TILING
-    if rows_per_group <= PINGPONG_WGRAD_MAX_ROWS and k % tile.tile_m == 0 and n % tile.tile_n == 0:
-        return dataclasses.replace(tile, epi_tile_n=cfg.epi_tile_n)
-    return cfg
-
-
-def _pingpong_for_short_reductions(cfg: GemmTiling, reduction: int, out_cols: int) -> GemmTiling:
-    """The ping-pong tiles for a forward / input gradient whose reduction is <= PINGPONG_MAX_REDUCTION and whose
-    output width is a multiple of 128; else `cfg` unchanged."""
-    if reduction <= PINGPONG_MAX_REDUCTION and out_cols % PINGPONG_TILING.tile_n == 0 \
-            and reduction % PINGPONG_TILING.tile_k == 0:
-        return PINGPONG_TILING
-    return cfg
-
-
-# A group's last row tile is partly empty: about half a CTA tile of wasted rows per group on average. An output
-# width that is not a multiple of 256 (DeepSeekMoE's 1408) falls back to warpgroups stacked along M (CTA
-# 256 x 128), which wastes 128 rows per group where 128-row CTAs waste 64 but run ~4% slower per row on full
-# tiles (uniform DeepSeekMoE EP1, 768 rows per group: 612 vs 590 TFLOP/s). Break-even: 0.04 M = 61 G rows,
-# M / G ~ 1536. M / G is the buffer's rows per group, an upper bound of the routed rows (an EP receive
-# buffer's tail makes it larger): measured in benchmarks/results/grouped_gemm_small_groups_h200.json.
-SMALL_GROUP_ROWS = 1536
-
-
-def _rows_for_small_groups(cfg: GemmTiling, out_cols: int, rows_per_group: float) -> GemmTiling:
-    """128-row CTAs (two 128 x 64 warpgroup tiles side by side) instead of 256-row ones for few rows per group."""
-    if cfg.cta_m == 256 and rows_per_group <= SMALL_GROUP_ROWS and out_cols % 128 == 0:
-        return dataclasses.replace(cfg, wg_split="n", tile_n=64, epi_tile_n=64)
-    return cfg
-
-
-def _long_reduction_steps(cfg: GemmTiling, reduction: int, out_cols: int) -> GemmTiling:
-    """128-wide K steps two deep for large experts (reduction >= 4096, >= 2048 output columns, side-by-side
-    warpgroups): the forward and input-gradient rule of `default_tuning`."""
-    if reduction >= 4096 and out_cols >= 2048 and reduction % 128 == 0 and cfg.wg_split == "n":
-        return dataclasses.replace(cfg, tile_k=128, max_concurrent_steps=2)
-    return cfg
-
-
-def default_kernel_tuning(kernel: str, k: int, n: int, m: int | None = None,
-                          num_groups: int | None = None) -> GroupedGemmTuning:
-    """`default_tuning`'s tiles for `kernel` ('dgrad' or 'wgrad') called on its own, so that the other
-    kernels' alignment rules do not reject shapes this one takes (dgrad alone needs only K to fit)."""
-    if kernel == "dgrad":
-        fit = _long_reduction_steps(fit_tiling(GemmTiling(), k, "K"), reduction=n, out_cols=k)
-        if m is not None and num_groups:
-            fit = _rows_for_small_groups(fit, k, m / num_groups)
-        fit = _pingpong_for_short_reductions(fit, reduction=n, out_cols=k)
-    else:
-        fit = fit_wgrad_tiling(GemmTiling(), k, n)
-        if m is not None and num_groups:
-            fit = _pingpong_wgrad_for_small_groups(fit, k, n, m / num_groups)
-    return dataclasses.replace(GroupedGemmTuning(), **{kernel: fit})
 
 
 def persistent_kernel(body, out_type, num_sms: int, interpret: bool):

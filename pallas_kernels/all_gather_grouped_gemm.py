@@ -38,8 +38,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._dispatch_tables import receive_layout, receive_work, send_runs
-from pallas_kernels._grouped_tiles import (GemmTiling, check_dtypes, default_tuning, fit_ragged_tiling,
-                                           persistent_kernel, sm_count)
+from pallas_kernels._default_tuning import default_tuning
+from pallas_kernels._grouped_tiles import GemmTiling, check_dtypes, fit_ragged_tiling, persistent_kernel, sm_count
 from pallas_kernels._peer_checks import check_exchange_runnable
 from pallas_kernels._ragged_body import ragged_kernel
 from pallas_kernels._work_tables import ROW_ALIGN, prefix_sum

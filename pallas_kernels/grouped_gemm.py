@@ -18,7 +18,8 @@ its own work items), which the default tuning takes for short reductions.
 Public entry points, each validated and each with a plain-jnp `*_reference` twin (grouped_gemm_reference.py):
 `grouped_gemm` (differentiable: `jax.custom_vjp`), `grouped_gemm_dgrad` and `grouped_gemm_wgrad`. The
 custom VJP's backward is exactly those two calls, so a hand-written backward can put communication
-(an all-to-all, a reduce-scatter) between them. Elsewhere: tiles and tunings in `_grouped_tiles.py`,
+(an all-to-all, a reduce-scatter) between them. Elsewhere: tiles and tunings in `_grouped_tiles.py`
+(their defaults by shape in `_default_tuning.py`),
 work tables in `_work_tables.py` (both shared with sibling kernels); shard_map varying-axes typing in `varying.py`.
 """
 from __future__ import annotations
@@ -32,10 +33,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._default_tuning import default_kernel_tuning, default_tuning
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedGemmTuning, check_dtypes,
-                                           check_group_sizes, check_tiling, check_tuning_enums, default_kernel_tuning,
-                                           default_tuning, epilogue_smem, fit_ragged_tiling, fit_smem, mask_token_rows,
-                                           persistent_kernel, sm_count, store_rows, swizzle_transforms, warpgroup_tile)
+                                           check_group_sizes, check_tiling, check_tuning_enums, epilogue_smem,
+                                           fit_ragged_tiling, fit_smem, mask_token_rows, persistent_kernel, sm_count,
+                                           store_rows, swizzle_transforms, warpgroup_tile)
 from pallas_kernels._pingpong_body import pingpong_weight_grad_kernel
 from pallas_kernels._ragged_body import ragged_kernel
 from pallas_kernels._work_tables import ROW_ALIGN, cut_group_sizes, row_tile_table, token_block_table

@@ -17,7 +17,7 @@ import pallas_kernels.grouped_gemm as gg
 from pallas_kernels.grouped_gemm import (GemmTiling, GroupedGemmTuning, default_tuning, grouped_gemm,
                                          grouped_gemm_dgrad, grouped_gemm_dgrad_reference, grouped_gemm_reference,
                                          grouped_gemm_wgrad, grouped_gemm_wgrad_reference)
-from pallas_kernels._grouped_tiles import default_kernel_tuning
+from pallas_kernels._default_tuning import default_kernel_tuning
 
 # Small tiles give many group boundaries per tile in few rows; both warpgroup splits are covered.
 SMALL_TUNING = GroupedGemmTuning(
@@ -299,7 +299,8 @@ def test_default_tuning_takes_128_row_ctas_for_few_rows_per_group(m, g, cta_rows
     t = default_tuning(m, 2048, 1408, g, pingpong=False)
     assert (t.fwd.cta_m, t.fwd.cta_n) == (cta_rows, 128)
     assert 1408 % t.fwd.cta_n == 0 and t.fwd.chain_items
-    assert default_tuning(m, 2048, 4096, g, pingpong=False).fwd.cta_m == 128   # side-by-side warpgroups: 128 rows already
+    # side-by-side warpgroups: 128 rows already
+    assert default_tuning(m, 2048, 4096, g, pingpong=False).fwd.cta_m == 128
 
 
 @pytest.mark.parametrize("bad, match", [
