@@ -31,6 +31,7 @@ from pallas_kernels._work_tables import ROW_TILE_ALIGNMENTS, TABLE_METHODS
 
 NUM_COMPUTE_WGS = 2
 INTERPRET_NUM_SMS = 3  # a few simulated SMs exercise a persistent loop without 132 CPU threads
+INTERPRET_PARAMS = {}  # InterpretGPUParams options of the CPU interpreter (a test turns on detect_races)
 SUPPORTED_IN_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit operand types
 SMEM_BUDGET = 227 * 1024 - 2048  # Hopper's per-block opt-in limit, less room for the pipeline barriers
 
@@ -80,6 +81,9 @@ class GemmTiling:
 
 
 SCHEDULES = ("cooperative", "pingpong")
+# The ping-pong ring's depth: a warpgroup releases step k-1 only after issuing step k, so one stage would
+# deadlock; its two full-barrier arrays (2 x stages) must fit the 32 barriers Mosaic tracks per array.
+PINGPONG_MIN_STAGES, PINGPONG_MAX_STAGES = 2, 16
 
 
 ZERO_TAILS = ("kernel", "mask", "none")   # who writes rows past sum(group_sizes): GroupedGemmTuning.zero_tail
@@ -146,7 +150,7 @@ def persistent_kernel(body, out_type, num_sms: int, interpret: bool):
     return plgpu.kernel(
         body, out_type=out_type, grid=(num_sms,), grid_names=("sm",), num_threads=NUM_COMPUTE_WGS + 1,
         thread_name="wg", compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=plgpu.InterpretGPUParams() if interpret else False)
+        interpret=plgpu.InterpretGPUParams(**INTERPRET_PARAMS) if interpret else False)
 
 
 def sm_count(interpret: bool) -> int:
@@ -197,6 +201,9 @@ def check_tiling(name: str, cfg: GemmTiling, dims_and_tiles, what: str, split: b
     if cfg.schedule == "pingpong" and cfg.split_k > 1:
         raise ValueError(f"tuning.{name}.schedule='pingpong' needs split_k=1 (got split_k={cfg.split_k}): use "
                          "schedule='cooperative' to split the reduction")
+    if cfg.schedule == "pingpong" and not PINGPONG_MIN_STAGES <= cfg.max_concurrent_steps <= PINGPONG_MAX_STAGES:
+        raise ValueError(f"tuning.{name}.max_concurrent_steps={cfg.max_concurrent_steps} must be in "
+                         f"[{PINGPONG_MIN_STAGES}, {PINGPONG_MAX_STAGES}] with schedule='pingpong'")
     if cfg.wg_split not in ("m", "n"):
         raise ValueError(f"tuning.{name}.wg_split must be 'm' or 'n', got {cfg.wg_split!r}")
     if cfg.tile_n % cfg.epi_tile_n:

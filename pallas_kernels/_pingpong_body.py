@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, epilogue_smem, mask_token_rows, stage_zeros,
-                                           store_rows, swizzle_transforms)
+from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, PINGPONG_MAX_STAGES, PINGPONG_MIN_STAGES, GemmTiling,
+                                           epilogue_smem, mask_token_rows, stage_zeros, store_rows, swizzle_transforms)
 from pallas_kernels._work_tables import ROW_ALIGN
 
 __all__ = ["pingpong_kernel", "pingpong_weight_grad_kernel"]
@@ -89,6 +89,8 @@ class _Ring(NamedTuple):
 def _ring_scope(a_block, a_dtype, b_block, b_dtype, stages, transforms, out_smem):
     """pl.run_scoped over the ring (operand blocks `a_block`, `b_block`) and the epilogue staging: a decorator
     whose body takes (ring, out_smem)."""
+    assert PINGPONG_MIN_STAGES <= stages <= PINGPONG_MAX_STAGES, stages   # check_tiling's bounds
+
     def decorator(body):
         @functools.partial(
             pl.run_scoped, collective_axes="wg",
@@ -191,8 +193,9 @@ def pingpong_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: 
 
 def pingpong_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTiling):
     """dw[g] = x[rows of g]ᵀ @ dy[rows of g]; tile_m runs over K, tile_n over N, tile_k over tokens. An item's
-    reduction is its group's token blocks (none for an empty group: it stores zeros), so both sides count the
-    CTA's steps with a running sum over its items."""
+    reduction is its group's token blocks (token_block_table gives an empty group one block, masked whole, so
+    it stores zeros; a count of zero would too), so both sides count the CTA's steps with a running sum over
+    its items."""
     assert cfg.schedule == "pingpong", cfg
     num_groups, k, n = dw_gmem.shape
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k

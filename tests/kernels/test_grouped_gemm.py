@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels._grouped_tiles as grouped_tiles
 import pallas_kernels.grouped_gemm as gg
 from pallas_kernels.grouped_gemm import (GemmTiling, GroupedGemmTuning, default_tuning, grouped_gemm,
                                          grouped_gemm_dgrad, grouped_gemm_dgrad_reference, grouped_gemm_reference,
@@ -176,6 +177,38 @@ VARIANT_TUNINGS = {
 }
 
 
+# Ping-pong edge cases, each kernel against its twin with the interpreter's race detector on (it flags an SMEM
+# stage written while read, e.g. a stage released before its wgmma): fewer K steps than ring stages, the
+# shallowest ring, CTAs with no or one item (8 SMs) and one CTA with every item (1 SM), trailing empty groups.
+PINGPONG_EDGE_CASES = {
+    "k_steps_below_depth": (136, 128, 128, [40, 0, 57, 39], dict(), 3),
+    "two_stages": (200, 256, 128, [50, 0, 7, 100, 0, 23], dict(max_concurrent_steps=2), 3),
+    "ctas_with_no_or_one_item": (64, 128, 64, [30, 34], dict(), 8),
+    "one_cta": (200, 256, 128, [50, 0, 7, 100, 0, 23], dict(), 1),
+    "trailing_empty_groups": (160, 128, 128, [100, 60, 0, 0, 0], dict(), 3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PINGPONG_EDGE_CASES))
+def test_interpret_pingpong_edge_cases_match_references_without_races(case, monkeypatch):
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
+    m, k, n, sizes, overrides, num_sms = PINGPONG_EDGE_CASES[case]
+    monkeypatch.setattr(grouped_tiles, "INTERPRET_PARAMS", {"detect_races": True})
+    cfg = dataclasses.replace(PINGPONG_SMALL, **overrides)
+    tuning = GroupedGemmTuning(fwd=cfg, dgrad=cfg, wgrad=cfg, num_sms=num_sms)
+    x, w, dy, group_sizes = _random_problem(31, m, k, n, sizes)
+    dy = dy.astype(jnp.bfloat16)
+    f32 = dict(preferred_element_type=jnp.float32, interpret=True, tuning=tuning)
+    interpreter.reset_gpu_interpret_mode_state()
+    try:
+        assert _rel_err(grouped_gemm(x, w, group_sizes, **f32),
+                        grouped_gemm_reference(x, w, group_sizes, jnp.float32)) < 1e-5
+        _check_dgrad_wgrad(x, w, dy, group_sizes, interpret=True, tuning=tuning)   # fp32 outputs
+        assert not interpreter.get_races().races_found, "the interpreter saw an SMEM race"
+    finally:
+        interpreter.reset_gpu_interpret_mode_state()
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANT_TUNINGS))
 def test_interpret_tiling_variants_match_ragged_dot(variant):
     x, w, dy, group_sizes = _random_problem(3, 200, 256, 256, [50, 0, 7, 100, 0, 23])
@@ -316,6 +349,8 @@ def test_default_tuning_takes_128_row_ctas_for_few_rows_per_group(m, g, cta_rows
     (dict(wgrad=dict(split_k=2)), "tuning.wgrad.split_k=2 must be an int >= 1 and 1 for the weight gradient"),
     (dict(fwd=dict(schedule="bogus")), "tuning.fwd.schedule='bogus' must be one of"),
     (dict(fwd=dict(schedule="pingpong", split_k=2)), "tuning.fwd.schedule='pingpong' needs split_k=1"),
+    (dict(fwd=dict(schedule="pingpong", max_concurrent_steps=1)), r"max_concurrent_steps=1 must be in \[2, 16\]"),
+    (dict(wgrad=dict(schedule="pingpong", max_concurrent_steps=17)), r"max_concurrent_steps=17 must be in"),
 ])
 def test_bad_input_raises_clear_value_error(bad, match):
     x = jnp.zeros(bad.get("x", (64, 128)), bad.get("x_dtype", jnp.bfloat16))
