@@ -603,3 +603,18 @@ def test_gpu_pingpong_weight_gradient_matches_its_reference(out_dtype):
                                                                                       schedule="pingpong"))
     _poison_device_memory(64 << 20)
     _check_dgrad_wgrad(x, w, dy.astype(jnp.bfloat16), group_sizes, out_dtype=out_dtype, tuning=tuning)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k, n", [(128, 1024), (256, 128), (1024, 128)])
+def test_gpu_pingpong_short_reductions_on_few_ctas(k, n):
+    """The one-wgmma-in-flight release, which the CPU interpreter cannot check (it runs wgmma synchronously):
+    reductions of 2-4 steps (forward over K, input gradient over N; the weight gradient's groups of 1 and 33
+    rows take one) against a six-stage ring, on 4 CTAs so that each CTA runs dozens of items and every stage is
+    reused across items and warpgroups; forward, input gradient and weight gradient, dirty memory."""
+    pp = GemmTiling(max_concurrent_steps=6, schedule="pingpong")
+    tuning = GroupedGemmTuning(fwd=pp, dgrad=pp, wgrad=pp, num_sms=4)
+    for seed in range(3):
+        x, w, dy, group_sizes = _random_problem(37 + seed, 4096, k, n, [700, 0, 1500, 33, 0, 900, 1, 400])
+        _poison_device_memory(64 << 20)
+        _check_fwd_bwd(x, w, dy, group_sizes, tuning=tuning)
