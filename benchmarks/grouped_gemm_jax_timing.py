@@ -14,6 +14,7 @@ import numpy as np
 from benchmarks.grouped_gemm_cases import UNWRITTEN_TAIL, wanted
 from benchmarks.grouped_gemm_report import save_json
 from benchmarks.grouped_gemm_torch import merge_torch
+from pallas_kernels._default_tuning import PINGPONG_TILING
 from pallas_kernels.grouped_gemm import (GemmTiling, default_tuning, grouped_gemm, grouped_gemm_dgrad,
                                          grouped_gemm_wgrad)
 
@@ -181,10 +182,9 @@ def jax_impls(m, k, n, g, args):
             tun = dataclasses.replace(base, fwd=pp, dgrad=pp)
             impls[label] = functools.partial(_with_tuning, interpret=interp, tuning=tun)
     # the weight gradient's ping-pong schedule (128 x 128 tiles of dw per warpgroup) on the default tuning
-    if k % 128 == 0 and n % 128 == 0:
-        wgrad_pp = GemmTiling(max_concurrent_steps=6, schedule="pingpong")
+    if k % PINGPONG_TILING.tile_m == 0 and n % PINGPONG_TILING.tile_n == 0:
         impls["ours_pingpong_wgrad"] = functools.partial(
-            _with_tuning, interpret=interp, tuning=dataclasses.replace(base, wgrad=wgrad_pp))
+            _with_tuning, interpret=interp, tuning=dataclasses.replace(base, wgrad=PINGPONG_TILING))
     return impls
 
 
@@ -198,7 +198,6 @@ def _with_tuning(x, w, gs, interpret, tuning):
 
 
 def mgpu_fwd(gs, m, n):
-    import functools
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
     # grid_block_n=4 was its best in the smoke run (Mixtral: 592 vs 547 at 2 and 452 at 1)
     configs = [dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=gbn)

@@ -68,7 +68,7 @@ def _pingpong_wgrad_for_small_groups(cfg: GemmTiling, k: int, n: int, rows_per_g
     multiples of 128; else `cfg` unchanged."""
     tile = PINGPONG_TILING
     if rows_per_group <= PINGPONG_WGRAD_MAX_ROWS and k % tile.tile_m == 0 and n % tile.tile_n == 0:
-        return dataclasses.replace(tile, epi_tile_n=cfg.epi_tile_n)
+        return tile
     return cfg
 
 

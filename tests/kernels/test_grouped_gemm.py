@@ -18,7 +18,7 @@ import pallas_kernels.grouped_gemm as gg
 from pallas_kernels.grouped_gemm import (GemmTiling, GroupedGemmTuning, default_tuning, grouped_gemm,
                                          grouped_gemm_dgrad, grouped_gemm_dgrad_reference, grouped_gemm_reference,
                                          grouped_gemm_wgrad, grouped_gemm_wgrad_reference)
-from pallas_kernels._default_tuning import default_kernel_tuning
+from pallas_kernels._default_tuning import PINGPONG_TILING, default_kernel_tuning
 
 # Small tiles give many group boundaries per tile in few rows; both warpgroup splits are covered.
 SMALL_TUNING = GroupedGemmTuning(
@@ -599,8 +599,7 @@ def test_gpu_pingpong_weight_gradient_matches_its_reference(out_dtype):
     """The ping-pong weight gradient (each warpgroup on its own (group, K, N) tiles, a running step count over
     groups of any size, empty ones storing zeros) on ragged groups, dirty memory."""
     x, w, dy, group_sizes = _random_problem(29, 4096, 512, 1024, [700, 0, 1500, 33, 0, 900, 1, 400])
-    tuning = dataclasses.replace(default_tuning(4096, 512, 1024, 8), wgrad=GemmTiling(max_concurrent_steps=6,
-                                                                                      schedule="pingpong"))
+    tuning = dataclasses.replace(default_tuning(4096, 512, 1024, 8), wgrad=PINGPONG_TILING)
     _poison_device_memory(64 << 20)
     _check_dgrad_wgrad(x, w, dy.astype(jnp.bfloat16), group_sizes, out_dtype=out_dtype, tuning=tuning)
 
@@ -612,7 +611,7 @@ def test_gpu_pingpong_short_reductions_on_few_ctas(k, n):
     reductions of 2-4 steps (forward over K, input gradient over N; the weight gradient's groups of 1 and 33
     rows take one) against a six-stage ring, on 4 CTAs so that each CTA runs dozens of items and every stage is
     reused across items and warpgroups; forward, input gradient and weight gradient, dirty memory."""
-    pp = GemmTiling(max_concurrent_steps=6, schedule="pingpong")
+    pp = PINGPONG_TILING
     tuning = GroupedGemmTuning(fwd=pp, dgrad=pp, wgrad=pp, num_sms=4)
     for seed in range(3):
         x, w, dy, group_sizes = _random_problem(37 + seed, 4096, k, n, [700, 0, 1500, 33, 0, 900, 1, 400])
