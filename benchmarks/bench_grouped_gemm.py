@@ -1,5 +1,6 @@
 """Grouped GEMM on one H200: our Pallas Mosaic GPU kernel next to lax.ragged_dot, jax's ragged_dot_mgpu,
-tokamax's ragged_dot, torch._grouped_mm (a torch subprocess) and the dense GEMM of the same FLOPs.
+tokamax's ragged_dot, torch._grouped_mm (a torch server process, timed in the same rounds) and the dense GEMM
+of the same FLOPs.
 
     python3 benchmarks/bench_grouped_gemm.py --mode smoke --out /tmp/smoke.json   # goal shapes, few impls
     python3 benchmarks/bench_grouped_gemm.py --mode full  --out results.json      # all shapes and impls
@@ -29,10 +30,13 @@ per routing). Timing: a loop of calls between two host syncs (no sync per call),
 after a warm-up call that compiles. Correctness: the forward of every grouped implementation is checked
 against an fp32 product on sampled rows (the first and last rows of up to 4 non-empty groups) and the
 rows past sum(group_sizes) must be exact zeros.
-torch runs first, in a subprocess, before JAX takes the GPU (JAX preallocates most of its memory).
+With --torch, torch runs in a server subprocess started before JAX takes the GPU; each case's torch labels are
+variants of the case's timing rounds next to ours and the dense GEMM (one loop of each per round), so a
+drift of the GPU's pace falls on both sides alike. Until 2026-12-04 torch ran first in a process of its own,
+and its verdicts moved by a few percent between runs on unchanged kernels.
 Modules: grouped_gemm_cases.py (shapes, routings, suites, --list), grouped_gemm_jax_timing.py (the JAX
-implementations, timing, checks), grouped_gemm_torch.py (the torch subprocess), grouped_gemm_report.py (ratios,
-verdicts, JSON, markdown).
+implementations, timing rounds, checks), grouped_gemm_sweeps.py (--sweep's variants), grouped_gemm_torch.py
+(the torch server and its client), grouped_gemm_report.py (ratios, verdicts, JSON, markdown).
 """
 import argparse
 import collections
@@ -49,7 +53,7 @@ from benchmarks.grouped_gemm_cases import ROUTINGS, SUITES, build_cases, print_c
 from benchmarks.grouped_gemm_jax_timing import (TIMING, fwd_bwd, hbm_copy_gbps, jax_impls, measure_case,  # noqa: E402
                                                 past_deadline)
 from benchmarks.grouped_gemm_report import environment, finalize_row, markdown_table, save_json  # noqa: E402
-from benchmarks.grouped_gemm_torch import merge_torch, run_torch  # noqa: E402
+from benchmarks.grouped_gemm_torch import TorchServer, TorchServerError  # noqa: E402
 
 
 def main():
@@ -68,8 +72,10 @@ def main():
                    help="issue10 suite: tokens per device before dispatch (default 8192); fewer tokens give fewer "
                         "tiles than SMs, where the sweep's split-K tilings matter")
     p.add_argument("--tokamax", action="store_true")
-    p.add_argument("--torch", action="store_true", help="torch._grouped_mm in a subprocess, before JAX")
-    p.add_argument("--torch-timeout-s", type=int, default=240)
+    p.add_argument("--torch", action="store_true",
+                   help="torch._grouped_mm (in a server process) in the same timing rounds as ours")
+    p.add_argument("--torch-timeout-s", type=int, default=240,
+                   help="the longest wait for one reply of the torch server (start, a case's setup, a loop)")
     p.add_argument("--routings", default="",
                    help=f"comma list from {ROUTINGS}; default: the suite's per row, uniform,skewed for --mode "
                         "full, uniform for --mode smoke")
@@ -90,7 +96,14 @@ def main():
     args.t_start = time.perf_counter()
     args.deadline = None if args.time_budget_s is None else args.t_start + args.time_budget_s
     print_cases(cases, args)
-    torch_res, torch_env = run_torch(cases, args.torch_timeout_s) if args.torch else ({}, {})
+    torch_server, torch_env = None, {}
+    if args.torch:
+        try:
+            torch_server = TorchServer(args.torch_timeout_s)
+            torch_env = torch_server.env
+        except TorchServerError as e:   # the JAX side still runs; every torch cell says why it is empty
+            torch_env = {"torch_server_error": str(e)}
+            print(f"torch server did not start: {e}", flush=True)
     args.environment = environment(torch_env)
     args.environment["hbm_copy_gbps"] = None if args.interpret else hbm_copy_gbps()
     print(args.environment, flush=True)
@@ -102,9 +115,7 @@ def main():
         m, k, n, g = (shape_cases[0][d] for d in ("M", "K", "N", "G"))
         if past_deadline(args):
             for c in shape_cases:
-                row = dict(c, tflops={}, ms={}, errors={"all": "skipped: --time-budget-s reached"})
-                merge_torch(row, torch_res)
-                results.append(row)
+                results.append(dict(c, tflops={}, ms={}, errors={"all": "skipped: --time-budget-s reached"}))
             continue
         keys = jax.random.split(jax.random.key(zlib.crc32(name.encode()) % 2**31), 3)
         x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
@@ -114,9 +125,13 @@ def main():
         impls = dict(fwd={lb: jax.jit(f) for lb, f in grouped.items()},
                      bwd={lb: fwd_bwd(f) for lb, f in grouped.items()} if args.bwd else {})
         for c in shape_cases:
-            measure_case(c, x, w, dy, impls, args, results, torch_res)
+            measure_case(c, x, w, dy, impls, args, results, torch_server)
             save_json(args, results)
         del x, w, dy, impls
+    if torch_server is not None:
+        torch_server.close()
+        if torch_server.dead:
+            args.environment["torch_server_error"] = torch_server.dead
     save_json(args, results)
     table = markdown_table([finalize_row(r, args.environment["hbm_copy_gbps"]) for r in results], args.environment)
     md_path = args.out.rsplit(".", 1)[0] + ".md"

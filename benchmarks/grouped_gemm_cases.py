@@ -49,7 +49,7 @@ ISSUE10_ROWS = [
 # timing is one untimed + 5 timed loops of >= 0.15 s): 20 cases over 9 shapes; 80 timings of ours and
 # ours_grid_tiles (fwd, fwd+bwd) + 16 of the dense GEMM (once per distinct (rows, K, N): 8 of them) + 40 of torch
 # (+ its 16 dense).
-#   JAX start ~10 s; torch subprocess (import, CUDA start, 56 timings x ~1 s) ~60 s;
+#   JAX start ~10 s; torch server (import, CUDA start) ~20 s, its 56 timings x ~1 s inside the rounds;
 #   compiles: ours 2 x 9 shapes x (fwd ~2 s + fwd+bwd ~4 s) + dense 8 x (~1 + ~2 s) ~130 s;
 #   timed loops 96 x ~1 s; data + sampled checks 9 shapes x ~2 s + 20 cases x ~0.5 s ~30 s.
 #   Total ~5 min (`--list` prints the same rough model); --time-budget-s starts no new timing past its limit,

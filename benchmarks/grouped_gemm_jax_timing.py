@@ -13,10 +13,10 @@ import numpy as np
 
 from benchmarks.grouped_gemm_cases import UNWRITTEN_TAIL, wanted
 from benchmarks.grouped_gemm_report import save_json
-from benchmarks.grouped_gemm_torch import merge_torch
+from benchmarks.grouped_gemm_sweeps import sweep_backward, sweep_tilings, tiling_label
+from benchmarks.grouped_gemm_torch import torch_variants
 from pallas_kernels._default_tuning import PINGPONG_TILING
-from pallas_kernels.grouped_gemm import (GemmTiling, default_tuning, grouped_gemm, grouped_gemm_dgrad,
-                                         grouped_gemm_wgrad)
+from pallas_kernels.grouped_gemm import GemmTiling, default_tuning, grouped_gemm
 
 # bench_grouped_gemm.main lowers these under --interpret (the interpreter is slow): a timing is then a compile,
 # a loop-length probe, one untimed and one timed call
@@ -70,20 +70,50 @@ def hbm_copy_gbps(elems=1 << 30):
     return round(2 * a.nbytes / t / 1e9, 1)
 
 
-def time_rounds(variants, min_total_s=None, loops=None, min_iters=None):
+class LocalLoop:
+    """A jitted call and its arguments as a time_rounds variant (the other kind: grouped_gemm_torch.TorchLoop,
+    whose loops run in the torch server)."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def length(self, min_total_s, min_iters):
+        return _loop_length(self.fn, self.args, min_total_s, min_iters)[0]
+
+    def loop(self, iters):
+        return _loop(self.fn, self.args, iters)[0]
+
+
+def time_rounds(variants, min_total_s=None, loops=None, min_iters=None, errors=None):
     """Several variants of one problem timed round by round: {label: median seconds per call}.
 
-    `variants` is [(label, fn, args)], each already compiled. Every round runs one loop (>= min_total_s) of
-    each variant in turn, after one untimed round, so a drift of the GPU's pace (clocks, temperature, an idle
-    host-side pause before a variant) falls on all of them alike. Timed one after another instead, the same
-    tiles read 2.7-5% apart depending on their place in the order (grouped_gemm_table_h200.json, 2026-12-02)."""
+    `variants` is [(label, fn, args)], each already compiled, or [(label, runner, None)] with a runner's
+    `length` / `loop` (TorchLoop). Every round runs one loop (>= min_total_s) of each variant in turn, after one
+    untimed round, so a drift of the GPU's pace (clocks, temperature, an idle host-side pause before a variant)
+    falls on all of them alike. Timed one after another instead, the same tiles read 2.7-5% apart depending on
+    their place in the order (grouped_gemm_table_h200.json, 2026-12-02). With an `errors` dict a variant that
+    raises is left out of the later rounds, its error stored there and its label missing from the result;
+    without one the exception propagates."""
     min_total_s, loops, min_iters = _settings(min_total_s, loops, min_iters)
-    iters = {label: _loop_length(fn, args, min_total_s, min_iters)[0] for label, fn, args in variants}
-    times = {label: [] for label, _, _ in variants}
+    runners = {label: fn if args is None else LocalLoop(fn, args) for label, fn, args in variants}
+    times, iters = {label: [] for label in runners}, {}
+
+    def attempt(label, call):
+        if errors is None:
+            return call()
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001
+            errors[label] = f"{type(e).__name__}: {str(e)[:300]}"
+            runners.pop(label)
+            times.pop(label)
+            return None
+    for label, runner in list(runners.items()):
+        iters[label] = attempt(label, lambda: runner.length(min_total_s, min_iters))
     for r in range(loops + 1):   # round 0 warms up and is not kept
-        for label, fn, args in variants:
-            t, _ = _loop(fn, args, iters[label])
-            if r:
+        for label, runner in list(runners.items()):
+            t = attempt(label, lambda: runner.loop(iters[label]))
+            if r and t is not None:
                 times[label].append(t)
     return {label: statistics.median(v) for label, v in times.items()}
 
@@ -243,14 +273,13 @@ def past_deadline(args):
     return args.deadline is not None and time.perf_counter() > args.deadline
 
 
-def measure_case(case, x, w, dy, impls, args, results, torch_res):
+def measure_case(case, x, w, dy, impls, args, results, torch_server=None):
     m, k, n, g, name, routing = case["M"], case["K"], case["N"], case["G"], case["shape"], case["routing"]
     gs_np = np.asarray(case["group_sizes"], np.int32)
     gs = jnp.asarray(gs_np)
     useful = case["useful_rows"]
     flops = 2.0 * useful * k * n   # useful FLOPs: rows routed to a group (for padded, not the tail)
     row = dict(case, useful_gflop_per_gemm=round(flops / 1e9, 3), tflops={}, ms={}, errors={})
-    merge_torch(row, torch_res)
     check = SampledCheck(x, w, gs_np)
 
     rounds = []   # (label, fn, argv, nflop, check message): the case's main variants, timed round by round
@@ -301,15 +330,24 @@ def measure_case(case, x, w, dy, impls, args, results, torch_res):
     for label, fn in impls["bwd"].items():
         record(f"{label}/fwd+bwd", fn, (x, w, dy, gs), 3 * flops, interleave=True)
     dense_key = measure_dense(row, case, x, w, dy, flops, record, args)
+    if torch_server is not None and not past_deadline(args):   # torch._grouped_mm in the same rounds
+        for label, loop, mult in torch_variants(torch_server, case, dense_key is not None, row):
+            rounds.append((label, loop, None, mult * flops, ""))
     if rounds and past_deadline(args):   # compiled and checked, but the budget is spent: no new timing
         for label, *_ in rounds:
             row["errors"][label] = "skipped: --time-budget-s reached"
         rounds.clear()
     if rounds:
         try:
-            seconds = time_rounds([(label, fn, argv) for label, fn, argv, _, _ in rounds])
+            failed = {}
+            seconds = time_rounds([(label, fn, argv) for label, fn, argv, _, _ in rounds], errors=failed)
             for label, _, _, nflop, msg in rounds:
-                fill(label, seconds[label], nflop, msg)
+                if label in seconds:
+                    fill(label, seconds[label], nflop, msg)
+                else:
+                    row["tflops"][label] = None
+                    row["errors"][label] = f"rounds: {failed[label]}"
+                    print(f"  {name} {routing} {label} FAILED in the rounds: {failed[label]}", flush=True)
         except Exception as e:  # noqa: BLE001
             for label, *_ in rounds:
                 row["tflops"][label] = None
@@ -355,76 +393,8 @@ def measure_dense(row, case, x, w, dy, flops, record, args):
 def cache_dense(row, case, key):
     if key is None:
         return
-    done = {lb: v for lb, v in row["tflops"].items() if lb.startswith("dense_same_flops/") and v is not None}
+    done = {lb: v for lb, v in row["tflops"].items()   # ours's process and the torch server's
+            if lb.startswith(("dense_same_flops/", "torch_dense_same_flops/")) and v is not None}
     if done:
         DENSE_CACHE[key] = dict(tflops=done, ms={lb: row["ms"].get(lb) for lb in done},
                                 case=f"{case['shape']}/{case['routing']}")
-
-
-def sweep_backward(row, x, w, dy, gs, base, flops, record, args):
-    """The input- and weight-gradient kernels alone, default tiles against variants (128-wide K steps, for
-    the weight gradient 128 tokens per step; chained items; pipeline depth; warpgroup split); each variant's
-    output is compared with the default's (relative Frobenius error, in row['errors'])."""
-    dgrad_variants = [dict(), dict(chain_items=True), dict(tile_k=128, max_concurrent_steps=2),
-                      dict(tile_k=128, max_concurrent_steps=2, chain_items=True)]
-    wgrad_variants = [dict(), dict(max_concurrent_steps=3), dict(tile_k=128, max_concurrent_steps=2),
-                      dict(wg_split="n")]
-    dyb = dy.astype(x.dtype)
-    for kernel, variants in (("dgrad", dgrad_variants), ("wgrad", wgrad_variants)):
-        ref = None
-        for v in variants:
-            cfg = dataclasses.replace(getattr(base, kernel), **v)
-            if kernel == "dgrad" and (x.shape[1] % cfg.cta_n or w.shape[2] % cfg.tile_k):
-                continue
-            tuning = dataclasses.replace(base, **{kernel: cfg})
-            if kernel == "dgrad":
-                f = jax.jit(lambda dy, w, gs, t=tuning: grouped_gemm_dgrad(dy, w, gs, tuning=t,
-                                                                           interpret=args.interpret))
-                argv = (dyb, w, gs)
-            else:
-                f = jax.jit(lambda x, dy, gs, t=tuning: grouped_gemm_wgrad(x, dy, gs, tuning=t,
-                                                                           interpret=args.interpret))
-                argv = (x, dyb, gs)
-            label = f"ours_{kernel}[{tiling_label(cfg)}]/{kernel}"
-            record(label, f, argv, flops, do_check=False)
-            if label not in row["tflops"] or row["tflops"][label] is None:
-                continue
-            out = np.asarray(f(*argv).astype(jnp.float32))
-            if ref is None:
-                ref = out
-            err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-            row["errors"][label] = err
-            print(f"    {label}: rel diff to the default {err:.1e}", flush=True)
-
-
-def tiling_label(cfg):
-    return (f"{cfg.wg_split}{cfg.tile_m}x{cfg.tile_n}k{cfg.tile_k}s{cfg.max_concurrent_steps}"
-            f"m{cfg.grid_minor}w{cfg.grid_tile_width}e{cfg.epi_tile_n}x{cfg.epi_slots}"
-            f"{'c' if cfg.chain_items else ''}{f'sk{cfg.split_k}' if cfg.split_k > 1 else ''}")
-
-
-def sweep_tilings(n, k):
-    """Forward tilings to time against the default: warpgroup split, tile sizes, K step, pipeline depth,
-    work order, epilogue staging (chunk width and slots), chained pipelines across work items. Only those
-    that tile N and K exactly."""
-    variants = [dict(), dict(epi_slots=2), dict(chain_items=True), dict(chain_items=True, epi_slots=2),
-                dict(chain_items=True, grid_tile_width=16), dict(chain_items=True, wg_split="m"),
-                dict(chain_items=True, tile_k=128, max_concurrent_steps=2),
-                dict(tile_k=128, max_concurrent_steps=2), dict(wg_split="m"), dict(wg_split="m", epi_slots=2),
-                dict(grid_minor=1), dict(tile_n=64, max_concurrent_steps=6, epi_slots=2),
-                # one m64n256 wgmma per K slice per warpgroup (CTA 128 x 256, as cuBLAS's 256x128-class tiles):
-                # both warpgroups read the same 256-wide w slice, 17% less SMEM read than two m64n128 each
-                dict(wg_split="m", tile_m=64, tile_n=256), dict(wg_split="m", tile_m=64, tile_n=256, chain_items=True),
-                dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2),
-                dict(wg_split="m", tile_m=64, tile_n=256, tile_k=128, max_concurrent_steps=2, chain_items=True),
-                # 128-row CTAs (128 x 128: two m64n128 warpgroups, or two m128n64 side by side): half the
-                # rows of the 256-row tiles that N = 1408 (DeepSeekMoE) falls back to, for groups of few rows
-                dict(wg_split="m", tile_m=64, chain_items=True), dict(tile_n=64, chain_items=True),
-                # the reduction split in 2 / 4 (fp32 partials, summed after): more items where tiles are few
-                dict(split_k=2, chain_items=True), dict(split_k=4, chain_items=True)]
-    out = []
-    for v in variants:
-        cfg = GemmTiling(**v)
-        if n % cfg.cta_n == 0 and k % (cfg.tile_k * cfg.split_k) == 0:
-            out.append(cfg)
-    return out

@@ -89,8 +89,8 @@ def markdown_table(results, env):
     lines = [f"Grouped GEMM, bf16, TFLOP/s of useful FLOPs ({env.get('device')}, jax {env.get('jax')}, "
              f"torch {env.get('torch')}); ours = Pallas Mosaic GPU kernel, default tuning; torch = "
              "torch._grouped_mm; dense = one GEMM of the same FLOPs (in the JAX process; 'dense (torch)': the "
-             "same GEMM in the torch process, which runs first: where the two dense columns differ, the "
-             "processes did not run the GPU at the same pace); HBM floor = the least bytes of a forward call "
+             "same GEMM in the torch server process, in the same timing rounds: where the two dense columns "
+             "differ, the two processes did not see the same GPU); HBM floor = the least bytes of a forward call "
              "(non-empty groups' weights, routed x rows, the whole output) at the bandwidth of one elementwise pass "
              f"in the JAX process ({env.get('hbm_copy_gbps') or '-'} GB/s)", "", head,
              "|" + "---|" * (head.count("|") - 1)]

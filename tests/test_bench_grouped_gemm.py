@@ -137,18 +137,6 @@ def test_profile_cuts_a_trace_into_calls():
     assert [p["us"] for p in s["pre"]] == [3.0, 2.0] and s["n_pre_kernels"] == [2]
 
 
-def test_torch_rows_merge_grouped_and_dense_labels():
-    """The torch subprocess's rows land under torch_grouped_mm/... and its same-FLOP dense GEMM under
-    torch_dense_same_flops/... (the clock check next to the JAX process's dense_same_flops)."""
-    from benchmarks.grouped_gemm_torch import merge_torch
-    row = dict(shape="s", routing="uniform", tflops={}, errors={})
-    merge_torch(row, {("s", "uniform"): dict(tflops={"fwd": 1.0, "fwd+bwd": 2.0, "dense/fwd": 3.0,
-                                                      "dense/fwd+bwd": 4.0}, error=None)})
-    assert row["tflops"] == {"torch_grouped_mm/fwd": 1.0, "torch_grouped_mm/fwd+bwd": 2.0,
-                             "torch_dense_same_flops/fwd": 3.0, "torch_dense_same_flops/fwd+bwd": 4.0}
-    assert row["errors"] == {}
-
-
 def test_timing_rounds_alternate_the_variants():
     """time_rounds runs one loop of each variant per round (after a warm-up round), so the variants share
     every stretch of the GPU's pace; each gets the median of its own loops."""
