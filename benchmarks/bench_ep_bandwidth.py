@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.environment import environment  # noqa: E402
-from benchmarks.grouped_gemm_jax_timing import TIMING, time_call  # noqa: E402
+from benchmarks.loop_timing import TIMING, time_call  # noqa: E402
 from megascale_jax.model.moe.router import Routing  # noqa: E402
 from megascale_jax.parallel.expert_parallel import expert_parallel_wire_bytes, rows_per_destination  # noqa: E402
 from megascale_jax.parallel.expert_runs import ExpertRunsDispatch  # noqa: E402

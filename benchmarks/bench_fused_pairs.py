@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.environment import environment  # noqa: E402
-from benchmarks.grouped_gemm_jax_timing import TIMING, time_call  # noqa: E402
+from benchmarks.loop_timing import TIMING, time_call  # noqa: E402
 from pallas_kernels.all_gather_grouped_gemm import all_gather_grouped_gemm, all_gather_grouped_gemm_reference  # noqa: E402
 from pallas_kernels.all_to_all_gemm import all_to_all_gemm, all_to_all_gemm_reference  # noqa: E402
 from pallas_kernels.gemm_all_to_all import gemm_all_to_all, gemm_all_to_all_reference  # noqa: E402

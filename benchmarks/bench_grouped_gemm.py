@@ -33,9 +33,11 @@ rows past sum(group_sizes) must be exact zeros.
 With --torch, torch runs in a server subprocess started before JAX takes the GPU; each case's torch labels are
 variants of the case's timing rounds next to ours and the dense GEMM (one loop of each per round), so a
 drift of the GPU's pace falls on both sides alike. Until 2026-12-04 torch ran first in a process of its own,
-and its verdicts moved by a few percent between runs on unchanged kernels.
+and its verdicts moved by a few percent between runs on unchanged kernels. Every case's rounds also time
+ours/fwd twice (`ours_repeat/fwd`, the other end of the order): the gap between the two readings of one
+kernel is the row's noise, written as `same_kernel_spread`, and a verdict that misses by less is marked so.
 Modules: grouped_gemm_cases.py (shapes, routings, suites, --list), grouped_gemm_jax_timing.py (the JAX
-implementations, timing rounds, checks), grouped_gemm_sweeps.py (--sweep's variants), grouped_gemm_torch.py
+implementations, checks, one case's rounds), loop_timing.py (loops and rounds), grouped_gemm_sweeps.py (--sweep's variants), grouped_gemm_torch.py
 (the torch server and its client), grouped_gemm_report.py (ratios, verdicts, JSON, markdown).
 """
 import argparse
@@ -50,10 +52,11 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.grouped_gemm_cases import ROUTINGS, SUITES, build_cases, print_cases  # noqa: E402
-from benchmarks.grouped_gemm_jax_timing import (TIMING, fwd_bwd, hbm_copy_gbps, jax_impls, measure_case,  # noqa: E402
+from benchmarks.grouped_gemm_jax_timing import (fwd_bwd, hbm_copy_gbps, jax_impls, measure_case,  # noqa: E402
                                                 past_deadline)
 from benchmarks.grouped_gemm_report import environment, finalize_row, markdown_table, save_json  # noqa: E402
 from benchmarks.grouped_gemm_torch import TorchServer, TorchServerError  # noqa: E402
+from benchmarks.loop_timing import TIMING  # noqa: E402
 
 
 def main():

@@ -1,6 +1,6 @@
 """The experts' first GEMMs + SwiGLU: fused in one kernel (pallas_kernels/grouped_swiglu.py, several tilings)
 vs the separate form (two grouped GEMM kernel calls, then silu(gate) * up in XLA), one H200, one process,
-timed round by round (grouped_gemm_jax_timing.time_rounds), forward and forward+backward.
+timed round by round (loop_timing.time_rounds), forward and forward+backward.
 
     python3 -m benchmarks.bench_grouped_swiglu --out $OUT/grouped_swiglu.json
 
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.environment import environment
-from benchmarks.grouped_gemm_jax_timing import time_rounds
+from benchmarks.loop_timing import time_rounds
 from pallas_kernels.grouped_gemm import grouped_gemm
 from pallas_kernels.grouped_swiglu import SwigluTiling, grouped_swiglu, grouped_swiglu_with_products
 

@@ -46,7 +46,7 @@ ISSUE10_ROWS = [
     ("deepseekmoe_16b", 8, ("uniform",), TOKENS_PER_DEVICE),
 ]
 # Estimated run time of `--suite issue10 --torch` on one H200 (compile costs guessed, not measured; every
-# timing is one untimed + 5 timed loops of >= 0.15 s): 20 cases over 9 shapes; 80 timings of ours and
+# timing is one untimed + 6 timed loops of >= 0.15 s): 20 cases over 9 shapes; 80 timings of ours and
 # ours_grid_tiles (fwd, fwd+bwd) + 16 of the dense GEMM (once per distinct (rows, K, N): 8 of them) + 40 of torch
 # (+ its 16 dense).
 #   JAX start ~10 s; torch server (import, CUDA start) ~20 s, its 56 timings x ~1 s inside the rounds;
@@ -55,6 +55,7 @@ ISSUE10_ROWS = [
 #   Total ~5 min (`--list` prints the same rough model); --time-budget-s starts no new timing past its limit,
 #   so the JSON and the table are written even if compiles are much slower than guessed.
 UNWRITTEN_TAIL = "ours_unwritten_tail"   # ours with torch._grouped_mm's tail contract (zero_tail='none')
+REPEAT = "ours_repeat"   # ours/fwd timed a second time in the same rounds: the rounds' noise on one kernel
 SAME_TAIL_VERDICT = "ours>=torch_grouped_mm_same_tail_contract"
 SUITES = {"issue10": dict(impls=("ours", "ours_grid_tiles", UNWRITTEN_TAIL, "dense_same_flops")),
           "tiny": dict(impls=("ours", "dense_same_flops"))}

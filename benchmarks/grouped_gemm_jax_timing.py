@@ -1,6 +1,6 @@
 """The JAX side of bench_grouped_gemm.py: the grouped implementations of one shape, the dense GEMM of the same
-FLOPs, tokamax and ragged_dot_mgpu, the forward tilings of --sweep, and how one case is timed (a loop of calls
-between two host syncs) and checked (an fp32 product on sampled rows, an exactly zero tail)."""
+FLOPs, tokamax and ragged_dot_mgpu, and how one case is timed (its variants in one set of rounds,
+benchmarks/loop_timing.py) and checked (an fp32 product on sampled rows, an exactly zero tail)."""
 import dataclasses
 import functools
 import statistics
@@ -11,55 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.grouped_gemm_cases import UNWRITTEN_TAIL, wanted
+from benchmarks.grouped_gemm_cases import REPEAT, UNWRITTEN_TAIL, wanted
 from benchmarks.grouped_gemm_report import save_json
 from benchmarks.grouped_gemm_sweeps import sweep_backward, sweep_tilings, tiling_label
 from benchmarks.grouped_gemm_torch import torch_variants
+from benchmarks.loop_timing import time_call, time_rounds
 from pallas_kernels._default_tuning import PINGPONG_TILING
 from pallas_kernels.grouped_gemm import GemmTiling, default_tuning, grouped_gemm
-
-# bench_grouped_gemm.main lowers these under --interpret (the interpreter is slow): a timing is then a compile,
-# a loop-length probe, one untimed and one timed call
-TIMING = dict(min_total_s=0.15, loops=5, min_iters=2)
-MAX_ITERS = 2000   # a loop lasts >= min_total_s up to this many calls (a 0.2 ms call: 750 per loop)
-
-
-def _settings(min_total_s, loops, min_iters):
-    return (TIMING["min_total_s"] if min_total_s is None else min_total_s,
-            TIMING["loops"] if loops is None else loops, TIMING["min_iters"] if min_iters is None else min_iters)
-
-
-def _loop_length(fn, args, min_total_s, min_iters):
-    """Calls per loop so that a loop lasts >= min_total_s (compiles fn first); also returns the output."""
-    out = fn(*args)
-    jax.block_until_ready(out)  # compile
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return max(min_iters, min(MAX_ITERS, int(min_total_s / max(time.perf_counter() - t0, 1e-5)))), out
-
-
-def _loop(fn, args, iters):
-    """Seconds per call of one loop of `iters` calls between two syncs, and the last output."""
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / iters, out
-
-
-def time_call(fn, *args, min_total_s=None, loops=None, min_iters=None):
-    """Median seconds per call over `loops` loops of calls between two syncs, each loop >= min_total_s, after
-    one untimed loop of the same length. The untimed loop matters for short calls: timed right after a
-    compile (the GPU idle), identical tiles timed first read up to 8% below the second timing of the same case
-    (grouped_gemm_table_h200.json of 2026-12-02 before this rule, 10 ms loops of at most 50 calls)."""
-    min_total_s, loops, min_iters = _settings(min_total_s, loops, min_iters)
-    iters, out = _loop_length(fn, args, min_total_s, min_iters)
-    _loop(fn, args, iters)   # warms up, not kept
-    times = []
-    for _ in range(loops):
-        t, out = _loop(fn, args, iters)
-        times.append(t)
-    return statistics.median(times), out
 
 
 def hbm_copy_gbps(elems=1 << 30):
@@ -68,54 +26,6 @@ def hbm_copy_gbps(elems=1 << 30):
     a = jnp.zeros((elems,), jnp.bfloat16)
     t, _ = time_call(jax.jit(lambda a: a + jnp.bfloat16(1)), a)
     return round(2 * a.nbytes / t / 1e9, 1)
-
-
-class LocalLoop:
-    """A jitted call and its arguments as a time_rounds variant (the other kind: grouped_gemm_torch.TorchLoop,
-    whose loops run in the torch server)."""
-
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, args
-
-    def length(self, min_total_s, min_iters):
-        return _loop_length(self.fn, self.args, min_total_s, min_iters)[0]
-
-    def loop(self, iters):
-        return _loop(self.fn, self.args, iters)[0]
-
-
-def time_rounds(variants, min_total_s=None, loops=None, min_iters=None, errors=None):
-    """Several variants of one problem timed round by round: {label: median seconds per call}.
-
-    `variants` is [(label, fn, args)], each already compiled, or [(label, runner, None)] with a runner's
-    `length` / `loop` (TorchLoop). Every round runs one loop (>= min_total_s) of each variant in turn, after one
-    untimed round, so a drift of the GPU's pace (clocks, temperature, an idle host-side pause before a variant)
-    falls on all of them alike. Timed one after another instead, the same tiles read 2.7-5% apart depending on
-    their place in the order (grouped_gemm_table_h200.json, 2026-12-02). With an `errors` dict a variant that
-    raises is left out of the later rounds, its error stored there and its label missing from the result;
-    without one the exception propagates."""
-    min_total_s, loops, min_iters = _settings(min_total_s, loops, min_iters)
-    runners = {label: fn if args is None else LocalLoop(fn, args) for label, fn, args in variants}
-    times, iters = {label: [] for label in runners}, {}
-
-    def attempt(label, call):
-        if errors is None:
-            return call()
-        try:
-            return call()
-        except Exception as e:  # noqa: BLE001
-            errors[label] = f"{type(e).__name__}: {str(e)[:300]}"
-            runners.pop(label)
-            times.pop(label)
-            return None
-    for label, runner in list(runners.items()):
-        iters[label] = attempt(label, lambda: runner.length(min_total_s, min_iters))
-    for r in range(loops + 1):   # round 0 warms up and is not kept
-        for label, runner in list(runners.items()):
-            t = attempt(label, lambda: runner.loop(iters[label]))
-            if r and t is not None:
-                times[label].append(t)
-    return {label: statistics.median(v) for label, v in times.items()}
 
 
 class SampledCheck:
@@ -269,6 +179,14 @@ def _tflops(flop_per_s):
     return round(v, 1) if v >= 10 else float(f"{v:.3g}")   # 3 digits for CPU-smoke sizes
 
 
+def add_repeat_control(rounds):
+    """Appends ours/fwd once more, last in the order (first in the reversed rounds): the spread between the two
+    readings of one compiled call is what the row's verdicts can be trusted to."""
+    for label, fn, argv, nflop, _ in list(rounds):
+        if label == "ours/fwd":
+            rounds.append((f"{REPEAT}/fwd", fn, argv, nflop, ""))
+
+
 def past_deadline(args):
     return args.deadline is not None and time.perf_counter() > args.deadline
 
@@ -338,9 +256,12 @@ def measure_case(case, x, w, dy, impls, args, results, torch_server=None):
             row["errors"][label] = "skipped: --time-budget-s reached"
         rounds.clear()
     if rounds:
+        add_repeat_control(rounds)
         try:
-            failed = {}
-            seconds = time_rounds([(label, fn, argv) for label, fn, argv, _, _ in rounds], errors=failed)
+            failed, per_loop = {}, {}
+            seconds = time_rounds([(label, fn, argv) for label, fn, argv, _, _ in rounds], errors=failed,
+                                  per_loop=per_loop)
+            row["loop_ms"] = {label: [round(t * 1e3, 4) for t in v] for label, v in per_loop.items()}
             for label, _, _, nflop, msg in rounds:
                 if label in seconds:
                     fill(label, seconds[label], nflop, msg)

@@ -9,7 +9,7 @@ import time
 
 import jax
 
-from benchmarks.grouped_gemm_cases import SAME_TAIL_VERDICT, TOKENS_PER_DEVICE, UNWRITTEN_TAIL
+from benchmarks.grouped_gemm_cases import REPEAT, SAME_TAIL_VERDICT, TOKENS_PER_DEVICE, UNWRITTEN_TAIL
 
 
 def _ratio(a, b):
@@ -49,14 +49,25 @@ def finalize_row(row, hbm_gbps=None):
     else:
         same = vs_torch
     row["verdict"][SAME_TAIL_VERDICT] = None if None in same else all(v >= 1.0 for v in same)
+    # the rounds' noise: one compiled call read twice (ours/fwd and ours_repeat/fwd); a verdict missed by less
+    # than this cannot tell the two sides apart
+    a, b = t.get("ours/fwd"), t.get(f"{REPEAT}/fwd")
+    row["same_kernel_spread"] = round(abs(a - b) / min(a, b), 3) if a and b else None
+    spread = row["same_kernel_spread"] or 0.0
+    worst = {"ours>=torch_grouped_mm": (vs_torch, 1.0), SAME_TAIL_VERDICT: (same, 1.0),
+             "ours>=0.9x_dense_fwd": ([vs_dense], 0.9)}
+    row["missed_within_spread"] = {key: row["verdict"][key] is False and min(v) >= bar * (1 - spread)
+                                   for key, (v, bar) in worst.items()} if row["same_kernel_spread"] else {}
     return row
 
 
 def summary(results):
     def collect(key):
         vals = [(f"{r['shape']}/{r['routing']}", r["verdict"][key]) for r in results]
+        within = [f"{r['shape']}/{r['routing']}" for r in results if r.get("missed_within_spread", {}).get(key)]
         return dict(all_rows_pass=bool(vals) and all(v is True for _, v in vals),
-                    failing=[s for s, v in vals if v is False], missing=[s for s, v in vals if v is None])
+                    failing=[s for s, v in vals if v is False], missing=[s for s, v in vals if v is None],
+                    failing_within_same_kernel_spread=within)
     return {"rows": len(results), "ours>=torch_grouped_mm": collect("ours>=torch_grouped_mm"),
             SAME_TAIL_VERDICT: collect(SAME_TAIL_VERDICT), "ours>=0.9x_dense_fwd": collect("ours>=0.9x_dense_fwd")}
 
@@ -85,14 +96,17 @@ def _ok(v):
 def markdown_table(results, env):
     head = ("| shape | routing | M | K | N | G | useful rows | fwd ours | fwd torch | fwd dense | fwd dense (torch) "
             "| ours/torch | ours/dense | f+b ours | f+b torch | f+b dense | ours/torch | ours/dense | >= torch "
-            "| >= 0.9 dense fwd | fwd HBM floor ms | floor / ours fwd | >= torch, tail unwritten as torch's |")
+            "| >= 0.9 dense fwd | fwd HBM floor ms | floor / ours fwd | >= torch, tail unwritten as torch's "
+            "| same-kernel spread |")
     lines = [f"Grouped GEMM, bf16, TFLOP/s of useful FLOPs ({env.get('device')}, jax {env.get('jax')}, "
              f"torch {env.get('torch')}); ours = Pallas Mosaic GPU kernel, default tuning; torch = "
              "torch._grouped_mm; dense = one GEMM of the same FLOPs (in the JAX process; 'dense (torch)': the "
              "same GEMM in the torch server process, in the same timing rounds: where the two dense columns "
              "differ, the two processes did not see the same GPU); HBM floor = the least bytes of a forward call "
              "(non-empty groups' weights, routed x rows, the whole output) at the bandwidth of one elementwise pass "
-             f"in the JAX process ({env.get('hbm_copy_gbps') or '-'} GB/s)", "", head,
+             f"in the JAX process ({env.get('hbm_copy_gbps') or '-'} GB/s); same-kernel spread = the gap between "
+             "two readings of ours/fwd (one compiled call at both ends of each round's order): the rounds' noise",
+             "", head,
              "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         t, q, v = r["tflops"], r["ratios"], r["verdict"]
@@ -104,13 +118,15 @@ def markdown_table(results, env):
             cells += [_fmt(q[f"ours/torch_grouped_mm/{kd}"], True), _fmt(q[f"ours/dense_same_flops/{kd}"], True)]
         floor = r.get("hbm_floor") or {}
         cells += [_ok(v["ours>=torch_grouped_mm"]), _ok(v["ours>=0.9x_dense_fwd"]), _fmt(floor.get("ms_fwd")),
-                  _fmt(floor.get("share_of_ours_fwd"), True), _ok(v.get(SAME_TAIL_VERDICT))]
+                  _fmt(floor.get("share_of_ours_fwd"), True), _ok(v.get(SAME_TAIL_VERDICT)),
+                  "-" if r.get("same_kernel_spread") is None else f"{100 * r['same_kernel_spread']:.1f}%"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     s = summary(results)
     for key in ("ours>=torch_grouped_mm", SAME_TAIL_VERDICT, "ours>=0.9x_dense_fwd"):
         verdict = ("PASS on every row" if s[key]["all_rows_pass"] else "FAIL" if s[key]["failing"]
                    else "INCOMPLETE (no failing row, some numbers missing)")
-        lines.append(f"\n{key}: {verdict}; failing {s[key]['failing'] or 'none'}; "
+        lines.append(f"\n{key}: {verdict}; failing {s[key]['failing'] or 'none'} (of them missed by less than "
+                     f"the row's same-kernel spread: {s[key]['failing_within_same_kernel_spread'] or 'none'}); "
                      f"missing {s[key]['missing'] or 'none'}")
     return "\n".join(lines)
 

@@ -2,7 +2,7 @@
 
 torch never enters the JAX process: it runs in a server subprocess (`python -m benchmarks.grouped_gemm_torch
 --serve`) that holds one case's operands and times loops on request, one JSON line in, one out. The JAX side
-puts each torch label into the case's timing rounds (grouped_gemm_jax_timing.time_rounds) as a `TorchLoop`,
+puts each torch label into the case's timing rounds (loop_timing.time_rounds) as a `TorchLoop`,
 so torch and ours alternate loop by loop and share every stretch of the GPU's pace. Before this, torch ran
 first in a process of its own and its verdicts moved by a few percent from run to run on unchanged kernels
 (grouped_gemm_table_pingpong_h200.md: Mixtral EP1 ours/torch 0.96 vs 1.01-1.05 in the run before).

@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
 from benchmarks.environment import environment
-from benchmarks.grouped_gemm_jax_timing import time_call
+from benchmarks.loop_timing import time_call
 from pallas_kernels.grouped_gemm import grouped_gemm
 
 SHAPES = {"gate_up": (32768, 4096, 14336), "down": (32768, 14336, 4096)}  # M, K, N; Mixtral 8x7B experts

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.environment import environment
-from benchmarks.grouped_gemm_jax_timing import time_call
+from benchmarks.loop_timing import time_call
 from pallas_kernels.grouped_gemm import grouped_gemm
 
 SHAPES = {  # name: (rows M, D, F, groups), uniform routing (EP 1, 8192 tokens x top-k)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.environment import environment
-from benchmarks.grouped_gemm_jax_timing import time_rounds
+from benchmarks.loop_timing import time_rounds
 from pallas_kernels.grouped_gemm import default_tuning, grouped_gemm
 
 # name: (ranks n, tokens per rank T, top-k, local experts, hidden D, expert FFN F)
