@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._default_tuning import PINGPONG_TILING
 from pallas_kernels.grouped_gemm import GemmTiling, grouped_gemm_dgrad, grouped_gemm_wgrad
 
 
@@ -46,6 +47,9 @@ def sweep_backward(row, x, w, dy, gs, base, flops, record, args):
 
 
 def tiling_label(cfg):
+    if cfg.schedule == "pingpong":   # wg_split, epilogue staging and chaining do not apply to it
+        return (f"pp{cfg.tile_m}x{cfg.tile_n}k{cfg.tile_k}s{cfg.max_concurrent_steps}"
+                f"m{cfg.grid_minor}w{cfg.grid_tile_width}")
     return (f"{cfg.wg_split}{cfg.tile_m}x{cfg.tile_n}k{cfg.tile_k}s{cfg.max_concurrent_steps}"
             f"m{cfg.grid_minor}w{cfg.grid_tile_width}e{cfg.epi_tile_n}x{cfg.epi_slots}"
             f"{'c' if cfg.chain_items else ''}{f'sk{cfg.split_k}' if cfg.split_k > 1 else ''}")
@@ -70,9 +74,13 @@ def sweep_tilings(n, k):
                 dict(wg_split="m", tile_m=64, chain_items=True), dict(tile_n=64, chain_items=True),
                 # the reduction split in 2 / 4 (fp32 partials, summed after): more items where tiles are few
                 dict(split_k=2, chain_items=True), dict(split_k=4, chain_items=True)]
+    # the ping-pong schedule (the default for reductions <= 2048): its ring's depth and its work order (each
+    # warpgroup takes alternate items, so the snake's band width decides which w tiles two SMs share in L2);
+    # 6 stages of 32 KB are the most that fit beside the epilogue's SMEM
+    pingpong = [dict(), dict(max_concurrent_steps=4), dict(max_concurrent_steps=5),
+                dict(grid_tile_width=4), dict(grid_tile_width=16), dict(grid_minor=1)]
     out = []
-    for v in variants:
-        cfg = GemmTiling(**v)
+    for cfg in [GemmTiling(**v) for v in variants] + [dataclasses.replace(PINGPONG_TILING, **v) for v in pingpong]:
         if n % cfg.cta_n == 0 and k % (cfg.tile_k * cfg.split_k) == 0:
             out.append(cfg)
     return out

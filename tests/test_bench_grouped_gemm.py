@@ -179,3 +179,15 @@ def test_timing_rounds_alternate_the_variants():
     assert loops == ["a", "a", "b", "b", "b", "b", "a", "a"] * 2
     assert {k: len(v) for k, v in per_loop.items()} == {"a": 3, "b": 3}   # the warm-up round is not kept
     assert got["a"] == sorted(per_loop["a"])[1]
+
+
+def test_sweep_tilings_name_every_variant_apart_and_include_the_pingpong_ring():
+    """--sweep times its forward tilings in one set of rounds keyed by label: two variants under one label
+    would overwrite each other, so the label must carry the schedule as well as the tiles."""
+    from benchmarks.grouped_gemm_sweeps import sweep_tilings, tiling_label
+    cfgs = sweep_tilings(768, 2048)   # Qwen3-30B-A3B's up-projection
+    labels = [tiling_label(c) for c in cfgs]
+    assert len(set(labels)) == len(labels)
+    pp = [lb for lb, c in zip(labels, cfgs) if c.schedule == "pingpong"]
+    assert pp[0] == "pp128x128k64s6m0w8" and {"pp128x128k64s4m0w8", "pp128x128k64s6m1w8"} <= set(pp)
+    assert all(768 % c.cta_n == 0 and 2048 % (c.tile_k * c.split_k) == 0 for c in cfgs)
