@@ -9,7 +9,7 @@ import dataclasses
 from pallas_kernels._grouped_tiles import GemmTiling, GroupedGemmTuning, fit_tiling, fit_wgrad_tiling
 
 __all__ = ["default_tuning", "default_kernel_tuning", "SMALL_GROUP_ROWS", "PINGPONG_MAX_REDUCTION",
-           "PINGPONG_WGRAD_MAX_ROWS", "PINGPONG_TILING"]
+           "PINGPONG_WGRAD_MAX_ROWS", "PINGPONG_WGRAD_MAX_ROWS_NARROW", "PINGPONG_TILING"]
 
 
 def default_tuning(m: int, k: int, n: int, num_groups: int, pingpong: bool = True) -> GroupedGemmTuning:
@@ -56,18 +56,27 @@ PINGPONG_TILING = GemmTiling(tile_m=128, tile_n=128, tile_k=64, max_concurrent_s
 
 
 # The weight gradient reduces over a group's rows. Its ping-pong schedule (128 x 128 dw tiles per warpgroup,
-# six stages) vs the cooperative tiles, fwd+bwd, one run (benchmarks/results/grouped_gemm_pingpong_wgrad_h200.json):
-# DeepSeekMoE EP1 (768 rows per group) 597 vs 571 TFLOP/s, Qwen3 EP1 (512) 550 vs 523; slower at 2048 rows
-# per group: Mixtral EP1 637 vs 656, DeepSeek-V3 EP8 625 vs 651. Between 768 and 2048 nothing was measured:
-# the threshold sits between them. M / G is the buffer's rows per group (an upper bound of the routed rows).
+# six stages) vs the cooperative tiles, fwd+bwd (benchmarks/results/grouped_gemm_pingpong_wgrad_h200.json,
+# grouped_gemm_wgrad_rows_*_h200.json; each pair in one set of rounds):
+#   rows per group    DeepSeekMoE (K 2048)   Qwen3 (K 2048)   DeepSeek-V3 (K 7168)   Mixtral (K 4096)
+#   512 / 768           +4.6%                  +5.2%
+#   1024                                       -1.1% (both sides the same ping-pong kernel: noise)
+#   1536                +4.9%, +3.8%           +6.0%            +0.9%                  -3.5%
+#   2048                                       +2.4%            -4.0%                  -3.0%
+#   3072                -1.3%                                   -4.7%                  -5.9%
+# so it is taken for groups of <= 1024 rows, and of <= 2048 where the hidden size (K) is <= 2048 (narrow
+# fine-grained models, whose dw tiles are few per group). The rounds' same-kernel spread was 0.5-5% on these
+# runs, so the threshold is coarse. M / G is the buffer's rows per group (an upper bound of the routed rows).
 PINGPONG_WGRAD_MAX_ROWS = 1024
+PINGPONG_WGRAD_MAX_ROWS_NARROW, NARROW_HIDDEN = 2048, 2048
 
 
 def _pingpong_wgrad_for_small_groups(cfg: GemmTiling, k: int, n: int, rows_per_group: float) -> GemmTiling:
-    """The weight gradient's ping-pong tiles where groups hold <= PINGPONG_WGRAD_MAX_ROWS rows and K and N are
-    multiples of 128; else `cfg` unchanged."""
+    """The weight gradient's ping-pong tiles where groups hold <= PINGPONG_WGRAD_MAX_ROWS rows (or
+    <= PINGPONG_WGRAD_MAX_ROWS_NARROW with K <= NARROW_HIDDEN) and K and N are multiples of 128; else `cfg`."""
     tile = PINGPONG_TILING
-    if rows_per_group <= PINGPONG_WGRAD_MAX_ROWS and k % tile.tile_m == 0 and n % tile.tile_n == 0:
+    limit = PINGPONG_WGRAD_MAX_ROWS_NARROW if k <= NARROW_HIDDEN else PINGPONG_WGRAD_MAX_ROWS
+    if rows_per_group <= limit and k % tile.tile_m == 0 and n % tile.tile_n == 0:
         return tile
     return cfg
 

@@ -314,6 +314,11 @@ def test_default_tuning_takes_pingpong_for_short_reductions(k, n, fwd, dgrad):
     (49152, 64, 2048, 1408, "pingpong"),      # DeepSeekMoE EP1: 768 rows per group
     (65536, 128, 2048, 768, "pingpong"),      # Qwen3-30B-A3B EP1: 512
     (16384, 8, 4096, 14336, "cooperative"),   # Mixtral EP1: 2048
+    (24576, 16, 4096, 14336, "cooperative"),  # Mixtral at 6144 tokens: 1536 (K 4096 is not narrow)
+    (4096, 4, 4096, 14336, "pingpong"),       # Mixtral at 2048 tokens: 1024
+    (98304, 64, 2048, 1408, "pingpong"),      # DeepSeekMoE at 16k tokens: 1536 (narrow: K 2048)
+    (262144, 128, 2048, 768, "pingpong"),     # Qwen3 at 32k tokens: 2048
+    (49152, 32, 7168, 2048, "cooperative"),   # DeepSeek-V3 EP8 at 6144 tokens: 1536
     (196608, 64, 2048, 1408, "cooperative"),  # DeepSeekMoE at 32k tokens: 3072
     (49152, 64, 2048, 704, "cooperative"),    # N = 704 is no multiple of the 128-wide tile
 ])
