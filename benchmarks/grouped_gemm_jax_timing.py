@@ -121,11 +121,6 @@ def jax_impls(m, k, n, g, args):
             pp = GemmTiling(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=depth, schedule="pingpong")
             tun = dataclasses.replace(base, fwd=pp, dgrad=pp)
             impls[label] = functools.partial(_with_tuning, interpret=interp, tuning=tun)
-    # ping-pong items whose rows fit the top half of their tile computed whole (GemmTiling.half_row_items off)
-    if base.fwd.schedule == "pingpong" or base.dgrad.schedule == "pingpong":
-        full = dataclasses.replace(base, fwd=dataclasses.replace(base.fwd, half_row_items=False),
-                                   dgrad=dataclasses.replace(base.dgrad, half_row_items=False))
-        impls["ours_full_row_items"] = functools.partial(_with_tuning, interpret=interp, tuning=full)
     # the weight gradient's ping-pong schedule (128 x 128 tiles of dw per warpgroup) on the default tuning
     if k % PINGPONG_TILING.tile_m == 0 and n % PINGPONG_TILING.tile_n == 0:
         impls["ours_pingpong_wgrad"] = functools.partial(

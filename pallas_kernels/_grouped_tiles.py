@@ -66,9 +66,6 @@ class GemmTiling:
     # tiles than SMs (few tokens per expert); off (1) by default until measured.
     split_k: int = 1
     schedule: str = "cooperative"
-    # Ping-pong forward / input gradient: an item whose rows fit the top half of its tile (a group's last,
-    # partial row tile of <= tile_m / 2 rows) loads and multiplies only that half (one m64 wgmma per step)
-    half_row_items: bool = True
 
     @property
     def cta_m(self) -> int:   # the rows of one work item (the work tables' row tile)

@@ -53,14 +53,12 @@ class _Ring(NamedTuple):
     def stages(self):
         return self.a_smem.shape[0]
 
-    def load(self, owner, step, a_src, b_src, a_rows=None):
-        """Memory warpgroup: the CTA's reduction step `step` (counted over all its items) for warpgroup `owner`;
-        `a_rows`: a_src fills only the stage's first a_rows rows."""
+    def load(self, owner, step, a_src, b_src):
+        """Memory warpgroup: the CTA's reduction step `step` (counted over all its items) for warpgroup `owner`."""
         stage = lax.rem(step, self.stages)
         pl.when(step >= self.stages)(lambda: plgpu.barrier_wait(self.empty.at[stage]))
         barrier = self.full.at[owner * self.stages + stage]
-        a_dst = self.a_smem.at[stage] if a_rows is None else self.a_smem.at[stage].at[pl.ds(0, a_rows)]
-        plgpu.copy_gmem_to_smem(a_src, a_dst, barrier)
+        plgpu.copy_gmem_to_smem(a_src, self.a_smem.at[stage], barrier)
         plgpu.copy_gmem_to_smem(b_src, self.b_smem.at[stage], barrier)
 
     def drain(self, total_steps):
@@ -125,12 +123,6 @@ def pingpong_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: 
     n_iters, k_iters = n // tn, k // tk
     tf = swizzle_transforms(tk, x_gmem.dtype)
     w_block = (tn, tk) if transpose_w else (tk, tn)
-    # a group's last row tile often holds few rows (Qwen3-30B-A3B skewed: 127 of 587 tiles hold 53): those
-    # whose rows fit the top half load and multiply 64 rows, not 128 (one m64 wgmma per step)
-    half = tm // 2 if cfg.half_row_items and tm % 128 == 0 else None
-
-    def top_only(slot):
-        return table_ref[2, slot] + table_ref[3, slot] <= half   # rows [lo, lo + count) of the tile
 
     @_ring_scope((tm, tk), x_gmem.dtype, w_block, w_gmem.dtype, cfg.max_concurrent_steps, (tf, tf),
                  epilogue_smem(cfg, out_gmem.dtype))
@@ -152,20 +144,12 @@ def pingpong_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: 
                 seg, row0 = table_ref[0, slot], pl.multiple_of(table_ref[1, slot], ROW_ALIGN)
                 w_cols = pl.ds(ni * tn, tn)
 
-                def steps(rows):
-                    @pl.loop(0, k_iters)
-                    def _steps(kk):
-                        k_cols = pl.ds(pl.multiple_of(kk * tk, tk), tk)
-                        w_tile = (w_gmem.at[seg].at[w_cols, k_cols] if transpose_w
-                                  else w_gmem.at[seg].at[k_cols, w_cols])
-                        ring.load(_owner(info), info.local_index * k_iters + kk,
-                                  x_gmem.at[pl.ds(row0, rows), k_cols], w_tile, a_rows=None if rows == tm else rows)
-
-                if half is None:
-                    steps(tm)
-                else:
-                    pl.when(top_only(slot))(lambda: steps(half))
-                    pl.when(jnp.logical_not(top_only(slot)))(lambda: steps(tm))
+                @pl.loop(0, k_iters)
+                def _steps(kk):
+                    k_cols = pl.ds(pl.multiple_of(kk * tk, tk), tk)
+                    w_tile = w_gmem.at[seg].at[w_cols, k_cols] if transpose_w else w_gmem.at[seg].at[k_cols, w_cols]
+                    ring.load(_owner(info), info.local_index * k_iters + kk, x_gmem.at[pl.ds(row0, tm), k_cols],
+                              w_tile)
 
                 pl.when(info.local_index == info.num_local_steps - 1)(
                     lambda: ring.drain((info.local_index + 1) * k_iters))
@@ -174,33 +158,24 @@ def pingpong_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: 
         def _compute():
             _compute_role()
 
-            def store(acc, slot, ni, zeros_staged=False, rows=tm):
+            def store(acc, slot, ni, zeros_staged=False):
                 _, row0, lo, count = (table_ref[i, slot] for i in range(4))
-                staging = out_smem.at[wg] if rows == tm else out_smem.at[wg].at[:, pl.ds(0, rows)]
-                store_rows(acc, staging, out_gmem, row0, ni * tn, cfg, rows=(lo, count), zeros_staged=zeros_staged)
+                store_rows(acc, out_smem.at[wg], out_gmem, row0, ni * tn, cfg, rows=(lo, count),
+                           zeros_staged=zeros_staged)
 
-            def item(rows, slot, ni, step0):
-                """One item's reduction over its tile's first `rows` rows (all, or the top half), then its store."""
-                def mma(acc_ref, _, x_smem, w_smem):
-                    x = x_smem if rows == tm else x_smem.at[pl.ds(0, rows)]
-                    plgpu.wgmma(acc_ref, x, w_smem.transpose((1, 0)) if transpose_w else w_smem)
-
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows, tn), jnp.float32))
-                def _acc(acc_ref):
-                    acc_ref = ring.accumulate(wg, step0, k_iters, acc_ref, mma)
-                    store(acc_ref[...], slot, ni, rows=rows)
+            def mma(acc_ref, _, x_smem, w_smem):
+                plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)) if transpose_w else w_smem)
 
             @plgpu.nd_loop((num_compute * n_iters,), collective_axes="sm")
             def _items(info):
                 @pl.when(_owner(info) == wg)
                 def _mine():
                     slot, ni = item_tile(info.index[0])
-                    step0 = info.local_index * k_iters
-                    if half is None:
-                        item(tm, slot, ni, step0)
-                    else:
-                        pl.when(top_only(slot))(lambda: item(half, slot, ni, step0))
-                        pl.when(jnp.logical_not(top_only(slot)))(lambda: item(tm, slot, ni, step0))
+
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                    def _acc(acc_ref):
+                        acc_ref = ring.accumulate(wg, info.local_index * k_iters, k_iters, acc_ref, mma)
+                        store(acc_ref[...], slot, ni)
 
             # The zero tail as in ragged_kernel (rows past sum(group_sizes), no loads, no MMA), its items
             # alternating between the two compute warpgroups like the compute items.

@@ -209,37 +209,6 @@ def test_interpret_pingpong_edge_cases_match_references_without_races(case, monk
         interpreter.reset_gpu_interpret_mode_state()
 
 
-def test_interpret_pingpong_half_row_items_equal_the_full_tiles_without_races(monkeypatch):
-    """128-row ping-pong tiles where some items' rows fit the top half (GemmTiling.half_row_items: 64 rows
-    loaded and multiplied): a group's second tile of 22 rows, a group of 40 at lo = 2 (both half), one of 60 at
-    lo = 6 (66 > 64: full), a tile slid back from past row M (lo = 104: full), a zero tail. Forward and input
-    gradient equal the full-tile kernels and the references to fp32 rounding (the interpreter's CPU dot of 64
-    rows sums in another order than of 128: ~4e-6 apart on those rows), with no SMEM race."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
-    monkeypatch.setattr(grouped_tiles, "INTERPRET_PARAMS", {"detect_races": True})
-    x, w, dy, group_sizes = _random_problem(41, 400, 128, 128, [150, 60, 0, 40, 130])
-    dy = dy.astype(jnp.bfloat16)
-    tables = gg.row_tile_table(group_sizes, 400, 128)[0]
-    lo_plus_count = np.asarray(tables[2] + tables[3])
-    assert np.sum((lo_plus_count > 0) & (lo_plus_count <= 64)) == 2   # the case has two half items
-    outs = {}
-    for half in (True, False):
-        cfg = dataclasses.replace(PINGPONG_TILING, max_concurrent_steps=3, half_row_items=half)
-        tuning = GroupedGemmTuning(fwd=cfg, dgrad=cfg, wgrad=SMALL_TUNING.wgrad, num_sms=3)
-        f32 = dict(preferred_element_type=jnp.float32, interpret=True, tuning=tuning)
-        interpreter.reset_gpu_interpret_mode_state()
-        try:
-            outs[half] = (grouped_gemm(x, w, group_sizes, **f32), grouped_gemm_dgrad(dy, w, group_sizes, **f32))
-            assert not interpreter.get_races().races_found, "the interpreter saw an SMEM race"
-        finally:
-            interpreter.reset_gpu_interpret_mode_state()
-    want = (grouped_gemm_reference(x, w, group_sizes, jnp.float32),
-            grouped_gemm_dgrad_reference(dy, w, group_sizes, jnp.float32))
-    for got, full, ref in zip(outs[True], outs[False], want):
-        assert _rel_err(got, full) < 1e-6 and _rel_err(got, ref) < 1e-5
-        assert np.all(np.asarray(got)[380:] == 0.0)
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANT_TUNINGS))
 def test_interpret_tiling_variants_match_ragged_dot(variant):
     x, w, dy, group_sizes = _random_problem(3, 200, 256, 256, [50, 0, 7, 100, 0, 23])
@@ -627,28 +596,6 @@ def test_gpu_dgrad_and_wgrad_match_their_references(out_dtype):
     dy = dy.astype(jnp.bfloat16)
     _poison_device_memory(64 << 20)
     _check_dgrad_wgrad(x, w, dy, group_sizes, out_dtype=out_dtype)
-
-
-@pytest.mark.gpu
-def test_gpu_pingpong_half_row_items_match_the_full_tiles_and_the_reference():
-    """Ping-pong 128-row tiles on random routing over 64 groups (about one group in two ends in a tile of <= 64
-    rows, which loads and multiplies only its top half) and a zero tail, dirty memory: forward and input
-    gradient against the full-tile kernels and the references."""
-    sizes = np.random.default_rng(5).multinomial(8000, np.full(64, 1 / 64))
-    x, w, dy, group_sizes = _random_problem(43, 8192, 512, 256, sizes)
-    dy = dy.astype(jnp.bfloat16)
-    outs = {}
-    for half in (True, False):
-        cfg = dataclasses.replace(PINGPONG_TILING, half_row_items=half)
-        tuning = GroupedGemmTuning(fwd=cfg, dgrad=cfg, wgrad=PINGPONG_TILING)
-        _poison_device_memory(64 << 20)
-        f32 = dict(preferred_element_type=jnp.float32, tuning=tuning)
-        outs[half] = (grouped_gemm(x, w, group_sizes, **f32), grouped_gemm_dgrad(dy, w, group_sizes, **f32))
-    want = (grouped_gemm_reference(x, w, group_sizes, jnp.float32),
-            grouped_gemm_dgrad_reference(dy, w, group_sizes, jnp.float32))
-    for got, full, ref in zip(outs[True], outs[False], want):
-        assert _rel_err(got, full) < 1e-6 and _rel_err(got, ref) < 1e-5
-        assert np.all(np.asarray(got)[8000:] == 0.0)
 
 
 @pytest.mark.gpu
