@@ -263,9 +263,9 @@ def measure_case(case, x, w, dy, impls, args, results, torch_server=None):
     if rounds:
         add_repeat_control(rounds)
         try:
-            failed, per_loop = {}, {}
+            failed, per_loop, row["loop_iters"] = {}, {}, {}
             seconds = time_rounds([(label, fn, argv) for label, fn, argv, _, _ in rounds], errors=failed,
-                                  per_loop=per_loop)
+                                  per_loop=per_loop, loop_iters=row["loop_iters"])
             row["loop_ms"] = {label: [round(t * 1e3, 4) for t in v] for label, v in per_loop.items()}
             for label, _, _, nflop, msg in rounds:
                 if label in seconds:

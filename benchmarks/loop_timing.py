@@ -65,7 +65,8 @@ class LocalLoop:
         return _loop(self.fn, self.args, iters)[0]
 
 
-def time_rounds(variants, min_total_s=None, loops=None, min_iters=None, errors=None, per_loop=None):
+def time_rounds(variants, min_total_s=None, loops=None, min_iters=None, errors=None, per_loop=None,
+                loop_iters=None):
     """Several variants of one problem timed round by round: {label: median seconds per call}.
 
     `variants` is [(label, fn, args)], each already compiled, or [(label, runner, None)] with a runner's
@@ -77,7 +78,10 @@ def time_rounds(variants, min_total_s=None, loops=None, min_iters=None, errors=N
     rounds (another process's CUDA context), the same kernel twice in one set of rounds, always first and
     always later in the order, read up to 7% apart (2026-12-04). With an `errors` dict a variant that raises is
     left out of the later rounds, its error stored there and its label missing from the result; without one
-    the exception propagates. A `per_loop` dict receives every timed loop's seconds per call, in round order."""
+    the exception propagates. A `per_loop` dict receives every timed loop's seconds per call, in round order,
+    and a `loop_iters` dict each variant's calls per loop (from its own one-call probe: a probe taken while
+    the GPU idles after compiles sets a shorter loop; kept so that a gap between readings of one kernel can be
+    checked against it)."""
     min_total_s, loops, min_iters = _settings(min_total_s, loops, min_iters)
     runners = {label: fn if args is None else LocalLoop(fn, args) for label, fn, args in variants}
     times, iters = {label: [] for label in runners}, {}
@@ -102,4 +106,6 @@ def time_rounds(variants, min_total_s=None, loops=None, min_iters=None, errors=N
                 times[label].append(t)
     if per_loop is not None:
         per_loop.update(times)
+    if loop_iters is not None:
+        loop_iters.update({label: iters[label] for label in times})
     return {label: statistics.median(v) for label, v in times.items()}

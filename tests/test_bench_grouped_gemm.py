@@ -171,9 +171,10 @@ def test_timing_rounds_alternate_the_variants():
             log.append(tag)
             return a + 1
         return fn
-    per_loop = {}
+    per_loop, iters = {}, {}
     got = time_rounds([("a", variant("a"), (jnp.ones(3),)), ("b", variant("b"), (jnp.ones(3),))],
-                      min_total_s=0.0, loops=3, min_iters=2, per_loop=per_loop)
+                      min_total_s=0.0, loops=3, min_iters=2, per_loop=per_loop, loop_iters=iters)
+    assert iters == {"a": 2, "b": 2}
     assert set(got) == {"a", "b"} and all(t > 0 for t in got.values())
     loops = log[4:]   # after the loop-length probes (2 calls per variant), 4 rounds of 2 calls each
     assert loops == ["a", "a", "b", "b", "b", "b", "a", "a"] * 2
