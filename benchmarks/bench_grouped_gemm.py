@@ -37,8 +37,9 @@ and its verdicts moved by a few percent between runs on unchanged kernels. Every
 ours/fwd twice (`ours_repeat/fwd`, the other end of the order): the gap between the two readings of one
 kernel is the row's noise, written as `same_kernel_spread`, and a verdict that misses by less is marked so.
 Modules: grouped_gemm_cases.py (shapes, routings, suites, --list), grouped_gemm_jax_timing.py (the JAX
-implementations, checks, one case's rounds), loop_timing.py (loops and rounds), grouped_gemm_sweeps.py (--sweep's variants), grouped_gemm_torch.py
-(the torch server and its client), grouped_gemm_report.py (ratios, verdicts, JSON, markdown).
+implementations, checks, one case's rounds), loop_timing.py (loops and rounds), grouped_gemm_sweeps.py
+(--sweep's variants), grouped_gemm_torch.py (the torch server and its client), grouped_gemm_report.py
+(ratios, verdicts, JSON, markdown).
 """
 import argparse
 import collections

@@ -47,13 +47,14 @@ ISSUE10_ROWS = [
 ]
 # Estimated run time of `--suite issue10 --torch` on one H200 (compile costs guessed, not measured; every
 # timing is one untimed + 6 timed loops of >= 0.15 s): 20 cases over 9 shapes; 80 timings of ours and
-# ours_grid_tiles (fwd, fwd+bwd) + 16 of the dense GEMM (once per distinct (rows, K, N): 8 of them) + 40 of torch
-# (+ its 16 dense).
+# ours_grid_tiles (fwd, fwd+bwd) + 20 of ours_repeat/fwd (the rounds' noise control) + 16 of the dense GEMM
+# (once per distinct (rows, K, N): 8 of them) + 40 of torch (+ its 16 dense).
 #   JAX start ~10 s; torch server (import, CUDA start) ~20 s, its 56 timings x ~1 s inside the rounds;
 #   compiles: ours 2 x 9 shapes x (fwd ~2 s + fwd+bwd ~4 s) + dense 8 x (~1 + ~2 s) ~130 s;
-#   timed loops 96 x ~1 s; data + sampled checks 9 shapes x ~2 s + 20 cases x ~0.5 s ~30 s.
-#   Total ~5 min (`--list` prints the same rough model); --time-budget-s starts no new timing past its limit,
-#   so the JSON and the table are written even if compiles are much slower than guessed.
+#   timed loops 116 x ~1 s; data + sampled checks 9 shapes x ~2 s + 20 cases x ~0.5 s ~30 s.
+#   Total ~5-6 min (`--list` prints the same rough model); --time-budget-s starts no new timing past its limit,
+#   so the JSON and the table are written even if compiles are much slower than guessed. Measured
+#   2026-12-04 with ours, ours_unwritten_tail, dense and torch (grouped_gemm_table_abba_h200.json): 378 s.
 UNWRITTEN_TAIL = "ours_unwritten_tail"   # ours with torch._grouped_mm's tail contract (zero_tail='none')
 REPEAT = "ours_repeat"   # ours/fwd timed a second time in the same rounds: the rounds' noise on one kernel
 SAME_TAIL_VERDICT = "ours>=torch_grouped_mm_same_tail_contract"
@@ -175,7 +176,7 @@ def print_cases(cases, args):
                            "xla_ragged_dot")
                if wanted(f"{b}/fwd", args)]
     kinds = 2 if args.bwd else 1
-    n_grouped = len(cases) * len(grouped) * kinds
+    n_grouped = len(cases) * len(grouped) * kinds + (len(cases) if "ours" in grouped else 0)   # + ours_repeat
     dense_keys = {(c["useful_rows"], c["K"], c["N"]) for c in cases} if wanted("dense_same_flops/fwd", args) else set()
     n_shapes = len({c["shape"] for c in cases})
     print(f"timings: {n_grouped} grouped ({'+'.join(grouped) or 'none'}, fwd{' and fwd+bwd' if args.bwd else ''})"

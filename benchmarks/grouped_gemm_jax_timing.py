@@ -3,7 +3,6 @@ FLOPs, tokamax and ragged_dot_mgpu, and how one case is timed (its variants in o
 benchmarks/loop_timing.py) and checked (an fp32 product on sampled rows, an exactly zero tail)."""
 import dataclasses
 import functools
-import statistics
 import sys
 import time
 
@@ -251,15 +250,18 @@ def measure_case(case, x, w, dy, impls, args, results, torch_server=None):
     if torch_server is not None and not past_deadline(args):   # torch._grouped_mm in the same rounds
         for label, loop, mult in torch_variants(torch_server, case, dense_key is not None, row):
             rounds.append((label, loop, None, mult * flops, ""))
-    if args.sweep and (name.startswith("goal") or args.suite):   # forward tilings, in the same rounds
-        for cfg in sweep_tilings(n, k):
+    main_variants = len(rounds)
+    sweeping = args.sweep and (name.startswith("goal") or args.suite) and not past_deadline(args)
+    if sweeping:
+        for cfg in sweep_tilings(n, k):   # forward tilings, in the same rounds
             tuning = dataclasses.replace(default_tuning(m, k, n, g), fwd=cfg)
             f = jax.jit(lambda x, w, gs, t=tuning: grouped_gemm(x, w, gs, tuning=t, interpret=args.interpret))
             record(f"ours[{tiling_label(cfg)}]/fwd", f, (x, w, gs), flops, interleave=True)
-    if rounds and past_deadline(args):   # compiled and checked, but the budget is spent: no new timing
-        for label, *_ in rounds:
+    if rounds and past_deadline(args):   # compiled and checked, but the budget is spent: no new timing; if it
+        cut = rounds[main_variants:] if sweeping else list(rounds)   # ran out in the sweep, of the sweep only
+        for label, *_ in cut:
             row["errors"][label] = "skipped: --time-budget-s reached"
-        rounds.clear()
+        del rounds[len(rounds) - len(cut):]
     if rounds:
         add_repeat_control(rounds)
         try:

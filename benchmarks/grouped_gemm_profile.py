@@ -6,7 +6,7 @@ build its work tables before it, and the gaps between them, next to the time per
 
 Shapes are issue 10's (benchmarks/grouped_gemm_cases.py), group sizes a runtime argument as in training. For
 each (shape, variant, routing): the untraced time per call (a loop of `--loop` calls between two host syncs,
-median of 5 loops, as bench_grouped_gemm.py times), then `--calls` calls under jax.profiler, cut into calls at
+median of 5 loops), then `--calls` calls under jax.profiler, cut into calls at
 the Mosaic kernel (the kernel name with the most GPU time): per call the kernel's duration, each kernel that
 ran between the previous call's kernel and this one (name, HLO op, duration), the idle gaps between them, and
 the start-to-start period of the Mosaic kernel. Medians over the calls (the first traced call is dropped).

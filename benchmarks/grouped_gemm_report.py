@@ -56,8 +56,8 @@ def finalize_row(row, hbm_gbps=None):
     spread = row["same_kernel_spread"] or 0.0
     worst = {"ours>=torch_grouped_mm": (vs_torch, 1.0), SAME_TAIL_VERDICT: (same, 1.0),
              "ours>=0.9x_dense_fwd": ([vs_dense], 0.9)}
-    row["missed_within_spread"] = {key: row["verdict"][key] is False and min(v) >= bar * (1 - spread)
-                                   for key, (v, bar) in worst.items()} if row["same_kernel_spread"] else {}
+    row["missed_within_spread"] = {} if row["same_kernel_spread"] is None else {
+        key: row["verdict"][key] is False and min(v) >= bar * (1 - spread) for key, (v, bar) in worst.items()}
     return row
 
 

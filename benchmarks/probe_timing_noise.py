@@ -3,8 +3,8 @@
 bench_grouped_gemm.py reads ours/fwd twice per case (ours_repeat/fwd) and found the two up to 5% apart on
 ~0.9 ms calls, every loop apart, not drifting. This probe times one grouped GEMM forward as several variants
 of one `time_rounds` call that differ in one thing each:
-  same_a / same_b / same_c   the same jitted function and the same argument buffers (b sits after a
-                             fwd+bwd call in the order, c after a separately jitted twin)
+  same_a / same_b / same_c   the same jitted function and the same argument buffers, at other places
+                             in the order (odd rounds run it reversed, later sets shuffle it)
   copied_args                the same function on copies of the arguments (other buffers, same values)
   separately_jitted          an identical function jitted on its own (its own executable)
   fwd+bwd                    a different, longer kernel between them (a neighbour of another kind)

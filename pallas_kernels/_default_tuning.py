@@ -9,7 +9,7 @@ import dataclasses
 from pallas_kernels._grouped_tiles import GemmTiling, GroupedGemmTuning, fit_tiling, fit_wgrad_tiling
 
 __all__ = ["default_tuning", "default_kernel_tuning", "SMALL_GROUP_ROWS", "PINGPONG_MAX_REDUCTION",
-           "PINGPONG_WGRAD_MAX_ROWS", "PINGPONG_WGRAD_MAX_ROWS_NARROW", "PINGPONG_TILING"]
+           "PINGPONG_WGRAD_MAX_ROWS", "PINGPONG_WGRAD_MAX_ROWS_NARROW", "NARROW_HIDDEN", "PINGPONG_TILING"]
 
 
 def default_tuning(m: int, k: int, n: int, num_groups: int, pingpong: bool = True) -> GroupedGemmTuning:

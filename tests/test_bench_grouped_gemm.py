@@ -191,4 +191,61 @@ def test_sweep_tilings_name_every_variant_apart_and_include_the_pingpong_ring():
     assert len(set(labels)) == len(labels)
     pp = [lb for lb, c in zip(labels, cfgs) if c.schedule == "pingpong"]
     assert pp[0] == "pp128x128k64s6m0w8" and {"pp128x128k64s4m0w8", "pp128x128k64s6m1w8"} <= set(pp)
-    assert all(768 % c.cta_n == 0 and 2048 % (c.tile_k * c.split_k) == 0 for c in cfgs)
+    assert len(pp) == 6 and not any(lb.startswith("pp") for lb, c in zip(labels, cfgs) if c.schedule != "pingpong")
+
+
+def test_a_failing_variant_leaves_the_rounds_and_their_records():
+    """With an errors dict, a variant that raises in its loop is dropped from the later rounds: its label is
+    in errors and in none of the results (medians, per-loop times, loop lengths); the others are timed."""
+    import jax.numpy as jnp
+
+    from benchmarks.loop_timing import time_rounds
+    calls = {"n": 0}
+
+    def flaky(a):
+        calls["n"] += 1
+        if calls["n"] > 3:   # the loop-length probe's two calls and the first loop's one pass
+            raise RuntimeError("lost the device")
+        return a + 1
+    failed, per_loop, iters = {}, {}, {}
+    got = time_rounds([("ok", lambda a: a + 1, (jnp.ones(3),)), ("flaky", flaky, (jnp.ones(3),))],
+                      min_total_s=0.0, loops=2, min_iters=1, errors=failed, per_loop=per_loop, loop_iters=iters)
+    assert set(got) == set(per_loop) == set(iters) == {"ok"} and len(per_loop["ok"]) == 2
+    assert failed == {"flaky": "RuntimeError: lost the device"}
+
+
+def test_a_budget_spent_in_the_sweep_costs_the_sweep_only(monkeypatch, tmp_path):
+    """--sweep's tilings join the case's rounds; when --time-budget-s runs out while they compile, the case's
+    own variants (compiled before) are still timed and only the sweep's are marked skipped."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import grouped_gemm_jax_timing as gjt
+    from benchmarks.loop_timing import TIMING
+    from pallas_kernels.grouped_gemm import GemmTiling
+    spent = {"now": False}
+
+    def label(cfg):
+        spent["now"] = True   # the budget runs out as the sweep starts
+        return "swept"
+    monkeypatch.setattr(gjt, "sweep_tilings", lambda n, k: [GemmTiling(tile_m=64, tile_n=64, wg_split="m")])
+    monkeypatch.setattr(gjt, "tiling_label", label)
+    monkeypatch.setattr(gjt, "past_deadline", lambda args: spent["now"])
+    monkeypatch.setattr(gjt, "sweep_backward", lambda *a, **k: None)
+    monkeypatch.setitem(TIMING, "min_total_s", 0.0)
+    monkeypatch.setitem(TIMING, "loops", 2)
+    monkeypatch.setitem(TIMING, "min_iters", 1)
+    args = argparse.Namespace(interpret=True, impl_filter=["ours/", "ours[", "dense"], suite="tiny", mode="smoke",
+                              deadline=None, bwd=False, sweep=True, tokamax=False, out=str(tmp_path / "r.json"),
+                              environment={}, t_start=0.0)
+    m, k, n, g = 256, 64, 128, 2
+    x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (g, k, n), jnp.bfloat16)
+    case = dict(shape="tiny_sweep", routing="uniform", M=m, K=k, N=n, G=g, group_sizes=[128, 128], useful_rows=m)
+    impls = dict(fwd={"ours": jax.jit(gjt.jax_impls(m, k, n, g, args)["ours"])}, bwd={})
+    results = []
+    gjt.measure_case(case, x, w, jnp.zeros((m, n), jnp.bfloat16), impls, args, results)
+    row = results[0]
+    assert row["errors"]["ours[swept]/fwd"] == "skipped: --time-budget-s reached"
+    assert row["tflops"]["ours/fwd"] > 0 and row["tflops"]["ours_repeat/fwd"] > 0
+    assert row["tflops"]["dense_same_flops/fwd"] > 0 and "ours[swept]/fwd" not in row["tflops"]
