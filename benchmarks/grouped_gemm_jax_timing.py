@@ -253,15 +253,16 @@ def measure_case(case, x, w, dy, impls, args, results, torch_server=None):
     main_variants = len(rounds)
     sweeping = args.sweep and (name.startswith("goal") or args.suite) and not past_deadline(args)
     if sweeping:
+        base = default_tuning(m, k, n, g)
         for cfg in sweep_tilings(n, k):   # forward tilings, in the same rounds
-            tuning = dataclasses.replace(default_tuning(m, k, n, g), fwd=cfg)
+            tuning = dataclasses.replace(base, fwd=cfg)
             f = jax.jit(lambda x, w, gs, t=tuning: grouped_gemm(x, w, gs, tuning=t, interpret=args.interpret))
             record(f"ours[{tiling_label(cfg)}]/fwd", f, (x, w, gs), flops, interleave=True)
     if rounds and past_deadline(args):   # compiled and checked, but the budget is spent: no new timing; if it
-        cut = rounds[main_variants:] if sweeping else list(rounds)   # ran out in the sweep, of the sweep only
-        for label, *_ in cut:
+        kept = main_variants if sweeping else 0   # ran out in the sweep, of the sweep only
+        for label, *_ in rounds[kept:]:
             row["errors"][label] = "skipped: --time-budget-s reached"
-        del rounds[len(rounds) - len(cut):]
+        del rounds[kept:]
     if rounds:
         add_repeat_control(rounds)
         try:

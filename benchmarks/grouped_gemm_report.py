@@ -52,11 +52,10 @@ def finalize_row(row, hbm_gbps=None):
     # the rounds' noise: one compiled call read twice (ours/fwd and ours_repeat/fwd); a verdict missed by less
     # than this cannot tell the two sides apart
     a, b = t.get("ours/fwd"), t.get(f"{REPEAT}/fwd")
-    row["same_kernel_spread"] = round(abs(a - b) / min(a, b), 3) if a and b else None
-    spread = row["same_kernel_spread"] or 0.0
+    spread = row["same_kernel_spread"] = round(abs(a - b) / min(a, b), 3) if a and b else None
     worst = {"ours>=torch_grouped_mm": (vs_torch, 1.0), SAME_TAIL_VERDICT: (same, 1.0),
              "ours>=0.9x_dense_fwd": ([vs_dense], 0.9)}
-    row["missed_within_spread"] = {} if row["same_kernel_spread"] is None else {
+    row["missed_within_spread"] = {} if spread is None else {
         key: row["verdict"][key] is False and min(v) >= bar * (1 - spread) for key, (v, bar) in worst.items()}
     return row
 
