@@ -11,7 +11,8 @@ profiler (loop_timing.time_rounds), since ncu's replays flush caches and seriali
     python3 -m benchmarks.probe_ncu_grouped_gemm --out results.json    # runs ncu on itself (--workload)
 
 Variants per shape: ours with its default tuning, ours with the cooperative schedule (where the default is
-ping-pong), XLA's dense dot of the same FLOPs, and jax's Pallas Hopper matmul on the dense shape with and
+ping-pong), for the weight gradient the cooperative tiles on one SMEM ring across items (`chain_items`), XLA's
+dense dot of the same FLOPs, and jax's Pallas Hopper matmul on the dense shape with and
 without a 2-CTA cluster sharing the w tile (TMA multicast inside the cluster: SM to SM, not NVLink).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import dataclasses
 import io
 import json
 import math
@@ -30,6 +32,7 @@ SHAPES = {  # name: (rows M, K, N, groups), uniform routing, as probe_gate_up_fu
     "qwen3_30b_a3b_ep1": (65536, 2048, 768, 128),
     "deepseekmoe_16b_ep1": (49152, 2048, 1408, 64),
     "mixtral_8x7b_ep1": (16384, 4096, 14336, 8),
+    "deepseek_v3_ep8": (65536, 7168, 2048, 32),
 }
 KERNELS = r"regex:mosaic|nvjet|gemm|cutlass|xmma|sm90"   # the GEMM kernels; the work-table fusions are left out
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis")
@@ -81,6 +84,9 @@ def _variants(name, kind):
     out = [("ours/default", jax.jit(ours[0](base)), ours[1])]
     if getattr(coop, kind) != getattr(base, kind):
         out.append(("ours/cooperative", jax.jit(ours[0](coop)), ours[1]))
+    if kind == "wgrad":   # the cooperative weight gradient on one SMEM ring across items (chain_items)
+        chained = dataclasses.replace(coop, wgrad=dataclasses.replace(coop.wgrad, chain_items=True))
+        out.append(("ours/chained", jax.jit(ours[0](chained)), ours[1]))
     # the dense GEMM of the same FLOPs: [M, K] x [K, N], [M, N] x [N, K], [K, M] x [M, N]
     a, b = {"fwd": (x, w[0]), "dgrad": (dy, w[0].T), "wgrad": (x.T, dy)}[kind]
     out.append(("dense/xla_dot", jax.jit(lambda a, b: a @ b), (a, b)))

@@ -58,8 +58,10 @@ class GemmTiling:
     # SMEM staging buffers per warpgroup for the epilogue: 2 lets chunk j+1 be written while chunk j's TMA
     # store still reads its buffer (1: every chunk waits for the previous store to finish reading).
     epi_slots: int = 1
-    # Chain the K pipelines of an SM's consecutive work items (forward / input gradient kernel): the next
-    # item's loads overlap this item's epilogue. Needs K steps divisible by the pipeline depth (else off).
+    # Chain the K pipelines of an SM's consecutive work items: the next item's loads overlap this item's
+    # epilogue. Forward / input gradient: jax's chained pipelines, which need the K steps divisible by the
+    # depth (else off). Weight gradient (cooperative): one SMEM ring across items, any step counts
+    # (`_pingpong_body.chained_weight_grad_kernel`).
     chain_items: bool = False
     # Split the reduction (forward / input gradient only): each work item becomes split_k items over one
     # split_k-th of K each, writing fp32 partials that the launcher sums. More items for shapes with fewer
@@ -201,9 +203,11 @@ def check_tiling(name: str, cfg: GemmTiling, dims_and_tiles, what: str, split: b
     if cfg.schedule == "pingpong" and cfg.split_k > 1:
         raise ValueError(f"tuning.{name}.schedule='pingpong' needs split_k=1 (got split_k={cfg.split_k}): use "
                          "schedule='cooperative' to split the reduction")
-    if cfg.schedule == "pingpong" and not PINGPONG_MIN_STAGES <= cfg.max_concurrent_steps <= PINGPONG_MAX_STAGES:
+    ring = "schedule='pingpong'" if cfg.schedule == "pingpong" else \
+        "a chained weight gradient (chain_items=True)" if name == "wgrad" and cfg.chain_items else None
+    if ring and not PINGPONG_MIN_STAGES <= cfg.max_concurrent_steps <= PINGPONG_MAX_STAGES:
         raise ValueError(f"tuning.{name}.max_concurrent_steps={cfg.max_concurrent_steps} must be in "
-                         f"[{PINGPONG_MIN_STAGES}, {PINGPONG_MAX_STAGES}] with schedule='pingpong'")
+                         f"[{PINGPONG_MIN_STAGES}, {PINGPONG_MAX_STAGES}] with {ring} (one SMEM ring)")
     if cfg.wg_split not in ("m", "n"):
         raise ValueError(f"tuning.{name}.wg_split must be 'm' or 'n', got {cfg.wg_split!r}")
     if cfg.tile_n % cfg.epi_tile_n:

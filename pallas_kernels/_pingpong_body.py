@@ -1,7 +1,9 @@
-"""The grouped GEMM's kernel bodies with a ping-pong schedule (`GemmTiling.schedule='pingpong'`).
+"""The grouped GEMM's kernel bodies on one SMEM ring across work items: the ping-pong schedule
+(`GemmTiling.schedule='pingpong'`) and the chained cooperative weight gradient (`chain_items=True`).
 
     pingpong_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, cfg=..., transpose_w=...)
     pingpong_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, cfg=...)
+    chained_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, cfg=...)
 
 Same work tables, same stores and the same results as the cooperative bodies (`ragged_kernel` in
 _ragged_body.py, `_weight_grad_kernel` in grouped_gemm.py); what differs is who computes a tile. In the
@@ -21,6 +23,13 @@ stage): unlike the cooperative schedule no second warpgroup fills the MMA pipe b
 
 No hooks (`ctas`, `before_slot`, `store_tile`) and no split_k: the fused exchange kernels keep the
 cooperative schedule.
+
+`chained_weight_grad_kernel` is the cooperative weight gradient (`_weight_grad_kernel`'s tiles: both compute
+warpgroups on one CTA tile) on the same ring, so that the memory warpgroup runs on into the next item's token
+blocks while the compute warpgroups store this item's tile: the pipeline fill between items is hidden (jax's
+pipelines chain only static grids, and a group's token blocks are a traced count). Both warpgroups read every
+stage, so there is one full-barrier array, which both wait on in order (each sees every phase), and a stage's
+`empty` barrier counts both releases.
 """
 from __future__ import annotations
 
@@ -33,10 +42,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, PINGPONG_MAX_STAGES, PINGPONG_MIN_STAGES, GemmTiling,
-                                           epilogue_smem, mask_token_rows, stage_zeros, store_rows, swizzle_transforms)
+                                           epilogue_smem, mask_token_rows, stage_zeros, store_rows, swizzle_transforms,
+                                           warpgroup_tile)
 from pallas_kernels._work_tables import ROW_ALIGN
 
-__all__ = ["pingpong_kernel", "pingpong_weight_grad_kernel"]
+__all__ = ["pingpong_kernel", "pingpong_weight_grad_kernel", "chained_weight_grad_kernel"]
 
 MEMORY_REGISTERS = 40     # what the TMA-issuing warpgroup keeps, as in jax's warp-specialised pipelines
 COMPUTE_REGISTERS = 232   # (512 - 40) / 2 rounded down to a multiple of 8: each holds a 128 x 128 fp32 tile
@@ -54,7 +64,8 @@ class _Ring(NamedTuple):
         return self.a_smem.shape[0]
 
     def load(self, owner, step, a_src, b_src):
-        """Memory warpgroup: the CTA's reduction step `step` (counted over all its items) for warpgroup `owner`."""
+        """Memory warpgroup: the CTA's reduction step `step` (counted over all its items) for the full-barrier
+        array `owner` (a compute warpgroup's own; 0 on a shared ring)."""
         stage = lax.rem(step, self.stages)
         pl.when(step >= self.stages)(lambda: plgpu.barrier_wait(self.empty.at[stage]))
         barrier = self.full.at[owner * self.stages + stage]
@@ -68,12 +79,13 @@ class _Ring(NamedTuple):
         def _drain(step):
             plgpu.barrier_wait(self.empty.at[lax.rem(step, self.stages)])
 
-    def accumulate(self, wg, step0, num_steps, acc_ref, mma):
-        """Compute warpgroup `wg`: steps [step0, step0 + num_steps) into acc_ref; `mma(acc_ref, index, a, b)`
-        issues the wgmma of one stage's tiles (index: the step within the item). Every stage read is released."""
+    def accumulate(self, owner, step0, num_steps, acc_ref, mma):
+        """A compute warpgroup: steps [step0, step0 + num_steps) of full-barrier array `owner` into acc_ref;
+        `mma(acc_ref, index, a, b)` issues the wgmma of one stage's tiles (index: the step within the item).
+        Every stage read is released."""
         def k_step(kk, acc_ref):
             stage = lax.rem(step0 + kk, self.stages)
-            plgpu.barrier_wait(self.full.at[wg * self.stages + stage])
+            plgpu.barrier_wait(self.full.at[owner * self.stages + stage])
             mma(acc_ref, kk, self.a_smem.at[stage], self.b_smem.at[stage])
             plgpu.wgmma_wait(1)   # step kk - 1 is done: its stage can be refilled
             pl.when(kk > 0)(lambda: plgpu.barrier_arrive(self.empty.at[lax.rem(step0 + kk - 1, self.stages)]))
@@ -86,18 +98,20 @@ class _Ring(NamedTuple):
         return acc_ref
 
 
-def _ring_scope(a_block, a_dtype, b_block, b_dtype, stages, transforms, out_smem):
+def _ring_scope(a_block, a_dtype, b_block, b_dtype, stages, transforms, out_smem, shared=False):
     """pl.run_scoped over the ring (operand blocks `a_block`, `b_block`) and the epilogue staging: a decorator
-    whose body takes (ring, out_smem)."""
+    whose body takes (ring, out_smem). `shared`: both compute warpgroups read every stage (one full-barrier
+    array; a stage is free once both released it)."""
     assert PINGPONG_MIN_STAGES <= stages <= PINGPONG_MAX_STAGES, stages   # check_tiling's bounds
+    full_arrays, releases = (1, NUM_COMPUTE_WGS) if shared else (NUM_COMPUTE_WGS, 1)
 
     def decorator(body):
         @functools.partial(
             pl.run_scoped, collective_axes="wg",
             a_smem=plgpu.SMEM((stages, *a_block), a_dtype, transforms=transforms[0]),
             b_smem=plgpu.SMEM((stages, *b_block), b_dtype, transforms=transforms[1]),
-            full=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_COMPUTE_WGS * stages),
-            empty=plgpu.Barrier(num_arrivals=1, num_barriers=stages), out_smem=out_smem)
+            full=plgpu.Barrier(num_arrivals=2, num_barriers=full_arrays * stages),   # two copies per stage
+            empty=plgpu.Barrier(num_arrivals=releases, num_barriers=stages), out_smem=out_smem)
         def _scope(a_smem, b_smem, full, empty, out_smem):
             body(_Ring(a_smem, b_smem, full, empty), out_smem)
     return decorator
@@ -251,6 +265,70 @@ def pingpong_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: Gem
                     def _acc(acc_ref):
                         acc_ref = ring.accumulate(wg, carry, num_blocks, acc_ref, mma)
                         store_rows(acc_ref[...], out_smem.at[wg], dw_gmem.at[g], ki * tm, ni * tn, cfg)
+                return carry + num_blocks
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def chained_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTiling):
+    """`_weight_grad_kernel` (cooperative: CTA tile cta_m x cta_n of dw[g], each compute warpgroup its
+    tile_m x tile_n part) with the CTA's token blocks on one shared ring across its items (module docstring)."""
+    assert cfg.schedule == "cooperative" and cfg.chain_items, cfg
+    num_groups, k, n = dw_gmem.shape
+    tk = cfg.tile_k
+    k_iters, n_iters = k // cfg.cta_m, n // cfg.cta_n
+    transforms = (swizzle_transforms(64, x_gmem.dtype), swizzle_transforms(64, dy_gmem.dtype))
+
+    def item_tile(info):
+        g = info.index[0]
+        ki, ni = plgpu.planar_snake(info.index[1], (k_iters, n_iters), cfg.grid_minor, cfg.grid_tile_width)
+        return g, ki, ni
+
+    @_ring_scope((tk, cfg.cta_m), x_gmem.dtype, (tk, cfg.cta_n), dy_gmem.dtype, cfg.max_concurrent_steps,
+                 transforms, epilogue_smem(cfg, dw_gmem.dtype), shared=True)
+    def _scope(ring, out_smem):
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == NUM_COMPUTE_WGS)
+        def _memory():
+            _memory_role()
+
+            @plgpu.nd_loop((num_groups, k_iters * n_iters), collective_axes="sm", init_carry=jnp.int32(0))
+            def total(info, carry):
+                g, ki, ni = item_tile(info)
+                first, num_blocks = table_ref[0, g], table_ref[1, g]
+
+                @pl.loop(0, num_blocks)
+                def _steps(t):
+                    tokens = pl.ds(pl.multiple_of((first + t) * tk, tk), tk)
+                    ring.load(0, carry + t, x_gmem.at[tokens, pl.ds(ki * cfg.cta_m, cfg.cta_m)],
+                              dy_gmem.at[tokens, pl.ds(ni * cfg.cta_n, cfg.cta_n)])
+                return carry + num_blocks
+
+            ring.drain(total)
+
+        @pl.when(wg < NUM_COMPUTE_WGS)
+        def _compute():
+            _compute_role()
+            wg_k, wg_n, wg_row0, wg_col0 = warpgroup_tile(cfg, wg)
+
+            @plgpu.nd_loop((num_groups, k_iters * n_iters), collective_axes="sm", init_carry=jnp.int32(0))
+            def _items(info, carry):
+                g, ki, ni = item_tile(info)
+                first, num_blocks, start, end = (table_ref[i, g] for i in range(4))
+
+                def mma(acc_ref, t, x_smem, dy_smem):
+                    x_mine = x_smem.at[:, wg_k]
+                    # only the first and last blocks can hold rows of other groups
+                    pl.when((t == 0) | (t == num_blocks - 1))(
+                        lambda: mask_token_rows(x_mine, (first + t) * tk, start, end))
+                    plgpu.wgmma(acc_ref, x_mine.transpose((1, 0)), dy_smem.at[:, wg_n])
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
+                def _acc(acc_ref):
+                    acc_ref = ring.accumulate(0, carry, num_blocks, acc_ref, mma)
+                    store_rows(acc_ref[...], out_smem.at[wg], dw_gmem.at[g], ki * cfg.cta_m + wg_row0,
+                               ni * cfg.cta_n + wg_col0, cfg)
                 return carry + num_blocks
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -170,6 +170,10 @@ VARIANT_TUNINGS = {
     "pingpong_mask_tail": dataclasses.replace(SMALL_TUNING, fwd=PINGPONG_SMALL, dgrad=PINGPONG_SMALL,
                                               zero_tail="mask"),
     "pingpong_wgrad": dataclasses.replace(SMALL_TUNING, wgrad=PINGPONG_SMALL),
+    # the cooperative weight gradient on one ring across items (chain_items), warpgroups along M and along N
+    "chained_wgrad": dataclasses.replace(SMALL_TUNING, wgrad=dataclasses.replace(SMALL_TUNING.wgrad, chain_items=True)),
+    "chained_wgrad_split_n": dataclasses.replace(
+        SMALL_TUNING, wgrad=dataclasses.replace(SMALL_TUNING.wgrad, chain_items=True, wg_split="n")),
     # chained K pipelines across an SM's work items (START / STEADY / STOP), with and without a tail
     "chain_items": GroupedGemmTuning(
         fwd=dataclasses.replace(SMALL_TUNING.fwd, chain_items=True),
@@ -204,6 +208,39 @@ def test_interpret_pingpong_edge_cases_match_references_without_races(case, monk
         assert _rel_err(grouped_gemm(x, w, group_sizes, **f32),
                         grouped_gemm_reference(x, w, group_sizes, jnp.float32)) < 1e-5
         _check_dgrad_wgrad(x, w, dy, group_sizes, interpret=True, tuning=tuning)   # fp32 outputs
+        assert not interpreter.get_races().races_found, "the interpreter saw an SMEM race"
+    finally:
+        interpreter.reset_gpu_interpret_mode_state()
+
+
+# The chained cooperative weight gradient's ring (both warpgroups on every stage) against its twin with the race
+# detector on: a CTA with every item, CTAs with none or one, the shallowest ring, a ring deeper than most
+# groups' token blocks, trailing empty groups. Warpgroups stacked along M (each masks its own x columns).
+CHAINED_WGRAD_CASES = {
+    "one_cta": (200, 256, 128, [50, 0, 7, 100, 0, 23], dict(), 1),
+    "ctas_with_no_or_one_item": (64, 256, 64, [30, 34], dict(), 8),
+    "two_stages": (200, 256, 128, [50, 0, 7, 100, 0, 23], dict(max_concurrent_steps=2), 3),
+    "ring_deeper_than_groups": (160, 128, 128, [9, 70, 1, 80], dict(max_concurrent_steps=5), 2),
+    "trailing_empty_groups": (160, 128, 128, [100, 60, 0, 0, 0], dict(), 3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHAINED_WGRAD_CASES))
+def test_interpret_chained_weight_gradient_edge_cases_match_reference_without_races(case, monkeypatch):
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
+    m, k, n, sizes, overrides, num_sms = CHAINED_WGRAD_CASES[case]
+    monkeypatch.setattr(grouped_tiles, "INTERPRET_PARAMS", {"detect_races": True})
+    cfg = dataclasses.replace(SMALL_TUNING.wgrad, chain_items=True, **overrides)
+    tuning = dataclasses.replace(SMALL_TUNING, wgrad=cfg, num_sms=num_sms)
+    x, _, dy, group_sizes = _random_problem(41, m, k, n, sizes)
+    dy = dy.astype(jnp.bfloat16)
+    interpreter.reset_gpu_interpret_mode_state()
+    try:
+        got = grouped_gemm_wgrad(x, dy, group_sizes, preferred_element_type=jnp.float32, interpret=True,
+                                 tuning=tuning)
+        assert _rel_err(got, grouped_gemm_wgrad_reference(x, dy, group_sizes, jnp.float32)) < 1e-5
+        for g in np.flatnonzero(np.asarray(sizes) == 0):
+            assert np.all(np.asarray(got[g]) == 0.0), f"empty group {g} must get a zero weight gradient"
         assert not interpreter.get_races().races_found, "the interpreter saw an SMEM race"
     finally:
         interpreter.reset_gpu_interpret_mode_state()
@@ -356,6 +393,7 @@ def test_default_tuning_takes_128_row_ctas_for_few_rows_per_group(m, g, cta_rows
     (dict(fwd=dict(schedule="pingpong", split_k=2)), "tuning.fwd.schedule='pingpong' needs split_k=1"),
     (dict(fwd=dict(schedule="pingpong", max_concurrent_steps=1)), r"max_concurrent_steps=1 must be in \[2, 16\]"),
     (dict(wgrad=dict(schedule="pingpong", max_concurrent_steps=17)), r"max_concurrent_steps=17 must be in"),
+    (dict(wgrad=dict(chain_items=True, max_concurrent_steps=1)), r"max_concurrent_steps=1 must be in .* chained"),
 ])
 def test_bad_input_raises_clear_value_error(bad, match):
     x = jnp.zeros(bad.get("x", (64, 128)), bad.get("x_dtype", jnp.bfloat16))
@@ -605,6 +643,21 @@ def test_gpu_pingpong_weight_gradient_matches_its_reference(out_dtype):
     groups of any size, empty ones storing zeros) on ragged groups, dirty memory."""
     x, w, dy, group_sizes = _random_problem(29, 4096, 512, 1024, [700, 0, 1500, 33, 0, 900, 1, 400])
     tuning = dataclasses.replace(default_tuning(4096, 512, 1024, 8), wgrad=PINGPONG_TILING)
+    _poison_device_memory(64 << 20)
+    _check_dgrad_wgrad(x, w, dy.astype(jnp.bfloat16), group_sizes, out_dtype=out_dtype, tuning=tuning)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wg_split", ["m", "n"])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_chained_weight_gradient_matches_its_reference(out_dtype, wg_split):
+    """The cooperative weight gradient on one SMEM ring across items (chain_items: both warpgroups wait on one
+    full barrier per stage, a stage freed by both releases) on ragged groups with 1- and 33-row groups and empty
+    ones, on 4 CTAs (dozens of items each, every stage reused across items), dirty memory."""
+    x, w, dy, group_sizes = _random_problem(43, 4096, 512, 1024, [700, 0, 1500, 33, 0, 900, 1, 400])
+    base = default_tuning(4096, 512, 1024, 8, pingpong=False)
+    tuning = dataclasses.replace(base, wgrad=dataclasses.replace(base.wgrad, chain_items=True, wg_split=wg_split),
+                                 num_sms=4)
     _poison_device_memory(64 << 20)
     _check_dgrad_wgrad(x, w, dy.astype(jnp.bfloat16), group_sizes, out_dtype=out_dtype, tuning=tuning)
 
