@@ -124,6 +124,10 @@ def jax_impls(m, k, n, g, args):
     if k % PINGPONG_TILING.tile_m == 0 and n % PINGPONG_TILING.tile_n == 0:
         impls["ours_pingpong_wgrad"] = functools.partial(
             _with_tuning, interpret=interp, tuning=dataclasses.replace(base, wgrad=PINGPONG_TILING))
+    # the cooperative weight gradient on jax's per-item pipelines (the default before its ring, chain_items)
+    if base.wgrad.chain_items:
+        unchained = dataclasses.replace(base, wgrad=dataclasses.replace(base.wgrad, chain_items=False))
+        impls["ours_unchained_wgrad"] = functools.partial(_with_tuning, interpret=interp, tuning=unchained)
     return impls
 
 

@@ -249,3 +249,18 @@ def test_a_budget_spent_in_the_sweep_costs_the_sweep_only(monkeypatch, tmp_path)
     assert row["errors"]["ours[swept]/fwd"] == "skipped: --time-budget-s reached"
     assert row["tflops"]["ours/fwd"] > 0 and row["tflops"]["ours_repeat/fwd"] > 0
     assert row["tflops"]["dense_same_flops/fwd"] > 0 and "ours[swept]/fwd" not in row["tflops"]
+
+
+def test_the_unchained_weight_gradient_is_offered_where_the_default_chains_it():
+    """`ours_unchained_wgrad` (jax's per-item pipelines) is the twin timed against the default's ring where the
+    weight gradient is cooperative (Mixtral's 2048 rows per group); small groups take ping-pong, no twin."""
+    import types
+
+    from benchmarks.grouped_gemm_jax_timing import jax_impls
+    from pallas_kernels.grouped_gemm import default_tuning
+
+    args = types.SimpleNamespace(interpret=True)
+    assert default_tuning(16384, 4096, 14336, 8).wgrad.chain_items
+    assert "ours_unchained_wgrad" in jax_impls(16384, 4096, 14336, 8, args)
+    assert default_tuning(65536, 2048, 768, 128).wgrad.schedule == "pingpong"
+    assert "ours_unchained_wgrad" not in jax_impls(65536, 2048, 768, 128, args)
