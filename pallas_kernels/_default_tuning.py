@@ -35,7 +35,7 @@ def default_tuning(m: int, k: int, n: int, num_groups: int, pingpong: bool = Tru
     rows_per_group = m / max(num_groups, 1)
     fwd = _long_reduction_steps(fit_tiling(GemmTiling(chain_items=True), n, "N"), reduction=k, out_cols=n)
     dgrad = _long_reduction_steps(fit_tiling(GemmTiling(), k, "K"), reduction=n, out_cols=k)
-    wgrad = fit_wgrad_tiling(CHAINED_WGRAD, k, n)
+    wgrad = _chained_wgrad_on_full_tiles(fit_wgrad_tiling(GemmTiling(), k, n))
     fwd, dgrad = _rows_for_small_groups(fwd, n, rows_per_group), _rows_for_small_groups(dgrad, k, rows_per_group)
     if pingpong:
         fwd, dgrad = _pingpong_for_short_reductions(fwd, k, n), _pingpong_for_short_reductions(dgrad, n, k)
@@ -74,8 +74,11 @@ PINGPONG_WGRAD_MAX_ROWS = 1024
 # (benchmarks/results/probe_ncu_wgrad_chained_h200.json): Mixtral 8x7B EP1 (2048 rows per group, K 4096)
 # 657 vs 635 TFLOP/s, DeepSeek-V3 EP8 (2048 rows, K 7168) 646 vs 628; Nsight Compute: 0.884 vs 0.865 of the
 # MMA-bound cycles on both. Where groups are small the ping-pong schedule still beats it (Qwen3 EP1, 512 rows:
-# 510 vs 501; DeepSeekMoE EP1, 768 rows: 576 vs 550), so the rule above is unchanged.
-CHAINED_WGRAD = GemmTiling(chain_items=True)
+# 510 vs 501; DeepSeekMoE EP1, 768 rows: 576 vs 550), so the rule above is unchanged. Only the 128 x 128
+# warpgroup tiles take it (both splits measured and GPU-tested); the 64-wide fallbacks of shapes whose K and N
+# are not multiples of 128 x 2 keep jax's pipelines until the ring has run there on the GPU.
+def _chained_wgrad_on_full_tiles(cfg: GemmTiling) -> GemmTiling:
+    return dataclasses.replace(cfg, chain_items=True) if (cfg.tile_m, cfg.tile_n) == (128, 128) else cfg
 PINGPONG_WGRAD_MAX_ROWS_NARROW, NARROW_HIDDEN = 2048, 2048
 
 
@@ -132,7 +135,7 @@ def default_kernel_tuning(kernel: str, k: int, n: int, m: int | None = None,
             fit = _rows_for_small_groups(fit, k, m / num_groups)
         fit = _pingpong_for_short_reductions(fit, reduction=n, out_cols=k)
     else:
-        fit = fit_wgrad_tiling(CHAINED_WGRAD, k, n)
+        fit = _chained_wgrad_on_full_tiles(fit_wgrad_tiling(GemmTiling(), k, n))
         if m is not None and num_groups:
             fit = _pingpong_wgrad_for_small_groups(fit, k, n, m / num_groups)
     return dataclasses.replace(GroupedGemmTuning(), **{kernel: fit})

@@ -365,6 +365,11 @@ def test_default_weight_gradient_takes_pingpong_for_small_groups(m, g, k, n, sch
     assert k % t.wgrad.cta_m == 0 and n % t.wgrad.cta_n == 0
     assert default_kernel_tuning("wgrad", k, n, m, g).wgrad == t.wgrad   # wgrad alone gets the same tiles
     assert default_tuning(m, k, n, g, pingpong=False).wgrad.schedule == "cooperative"
+    # the cooperative weight gradient runs on the ring (chain_items) on 128 x 128 warpgroup tiles only
+    full_tiles = (t.wgrad.tile_m, t.wgrad.tile_n) == (128, 128)
+    assert t.wgrad.chain_items == (schedule == "cooperative" and full_tiles)
+    if n == 704:   # the 64-wide fallback keeps jax's pipelines
+        assert not full_tiles and not t.wgrad.chain_items
 
 
 @pytest.mark.parametrize("m, g, cta_rows", [(49152, 64, 128), (49152, 8, 256)])
