@@ -69,7 +69,7 @@ PINGPONG_TILING = GemmTiling(tile_m=128, tile_n=128, tile_k=64, max_concurrent_s
 # runs, so the threshold is coarse. M / G is the buffer's rows per group (an upper bound of the routed rows).
 PINGPONG_WGRAD_MAX_ROWS = 1024
 # Where the weight gradient stays cooperative it runs its items on one SMEM ring (chain_items: the next item's
-# token blocks load while this item's tile is stored, `_pingpong_body.chained_weight_grad_kernel`). Against the
+# token blocks load while this item's tile is stored, `_pingpong_body.ring_weight_grad_kernel`). Against the
 # unchained cooperative kernel, the wgrad call alone in one set of rounds
 # (benchmarks/results/probe_ncu_wgrad_chained_h200.json): Mixtral 8x7B EP1 (2048 rows per group, K 4096)
 # 657 vs 635 TFLOP/s, DeepSeek-V3 EP8 (2048 rows, K 7168) 646 vs 628; Nsight Compute: 0.884 vs 0.865 of the

@@ -61,7 +61,7 @@ class GemmTiling:
     # Chain the K pipelines of an SM's consecutive work items: the next item's loads overlap this item's
     # epilogue. Forward / input gradient: jax's chained pipelines, which need the K steps divisible by the
     # depth (else off). Weight gradient (cooperative): one SMEM ring across items, any step counts
-    # (`_pingpong_body.chained_weight_grad_kernel`).
+    # (`_pingpong_body.ring_weight_grad_kernel`).
     chain_items: bool = False
     # Split the reduction (forward / input gradient only): each work item becomes split_k items over one
     # split_k-th of K each, writing fp32 partials that the launcher sums. More items for shapes with fewer

@@ -2,8 +2,7 @@
 (`GemmTiling.schedule='pingpong'`) and the chained cooperative weight gradient (`chain_items=True`).
 
     pingpong_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, cfg=..., transpose_w=...)
-    pingpong_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, cfg=...)
-    chained_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, cfg=...)
+    ring_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, cfg=...)    (both schedules)
 
 Same work tables, same stores and the same results as the cooperative bodies (`ragged_kernel` in
 _ragged_body.py, `_weight_grad_kernel` in grouped_gemm.py); what differs is who computes a tile. In the
@@ -24,9 +23,9 @@ stage): unlike the cooperative schedule no second warpgroup fills the MMA pipe b
 No hooks (`ctas`, `before_slot`, `store_tile`) and no split_k: the fused exchange kernels keep the
 cooperative schedule.
 
-`chained_weight_grad_kernel` is the cooperative weight gradient (`_weight_grad_kernel`'s tiles: both compute
-warpgroups on one CTA tile) on the same ring, so that the memory warpgroup runs on into the next item's token
-blocks while the compute warpgroups store this item's tile: the pipeline fill between items is hidden (jax's
+The chained weight gradient (`ring_weight_grad_kernel` with a cooperative cfg) is the cooperative one
+(`_weight_grad_kernel`'s tiles: both compute warpgroups on one CTA tile) on the same ring, so that the memory
+warpgroup runs on into the next item's token blocks while the compute warpgroups store this item's tile: the pipeline fill between items is hidden (jax's
 pipelines chain only static grids, and a group's token blocks are a traced count). Both warpgroups read every
 stage, so there is one full-barrier array, which both wait on in order (each sees every phase), and a stage's
 `empty` barrier counts both releases.
@@ -46,7 +45,7 @@ from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, PINGPONG_MAX_STAGES,
                                            warpgroup_tile)
 from pallas_kernels._work_tables import ROW_ALIGN
 
-__all__ = ["pingpong_kernel", "pingpong_weight_grad_kernel", "chained_weight_grad_kernel"]
+__all__ = ["pingpong_kernel", "ring_weight_grad_kernel"]
 
 MEMORY_REGISTERS = 40     # what the TMA-issuing warpgroup keeps, as in jax's warp-specialised pipelines
 COMPUTE_REGISTERS = 232   # (512 - 40) / 2 rounded down to a multiple of 8: each holds a 128 x 128 fp32 tile
@@ -205,15 +204,18 @@ def pingpong_kernel(table_ref, num_valid_ref, x_gmem, w_gmem, out_gmem, *, cfg: 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def pingpong_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTiling):
+def ring_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTiling):
     """dw[g] = x[rows of g]ᵀ @ dy[rows of g]; tile_m runs over K, tile_n over N, tile_k over tokens. An item's
     reduction is its group's token blocks (token_block_table gives an empty group one block, masked whole, so
     it stores zeros; a count of zero would too), so both sides count the CTA's steps with a running sum over
-    its items."""
-    assert cfg.schedule == "pingpong", cfg
+    its items. `cfg.schedule='pingpong'`: an item is one warpgroup's tile_m x tile_n, the items alternating
+    between them; cooperative with `cfg.chain_items`: both warpgroups on every item (CTA tile cta_m x cta_n,
+    each its `warpgroup_tile` part, as `_weight_grad_kernel`), every stage of the ring read by both."""
+    pingpong = cfg.schedule == "pingpong"
+    assert pingpong or cfg.chain_items, cfg
     num_groups, k, n = dw_gmem.shape
-    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
-    k_iters, n_iters = k // tm, n // tn
+    cm, cn, tk = cfg.cta_m, cfg.cta_n, cfg.tile_k     # a ping-pong item's cta_m x cta_n is tile_m x tile_n
+    k_iters, n_iters = k // cm, n // cn
     transforms = (swizzle_transforms(64, x_gmem.dtype), swizzle_transforms(64, dy_gmem.dtype))
 
     def item_tile(info):
@@ -221,8 +223,11 @@ def pingpong_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: Gem
         ki, ni = plgpu.planar_snake(info.index[1], (k_iters, n_iters), cfg.grid_minor, cfg.grid_tile_width)
         return g, ki, ni
 
-    @_ring_scope((tk, tm), x_gmem.dtype, (tk, tn), dy_gmem.dtype, cfg.max_concurrent_steps, transforms,
-                 epilogue_smem(cfg, dw_gmem.dtype))
+    def barriers(info):   # whose full barriers the item's stages arrive on
+        return _owner(info) if pingpong else 0
+
+    @_ring_scope((tk, cm), x_gmem.dtype, (tk, cn), dy_gmem.dtype, cfg.max_concurrent_steps, transforms,
+                 epilogue_smem(cfg, dw_gmem.dtype), shared=not pingpong)
     def _scope(ring, out_smem):
         wg = lax.axis_index("wg")
 
@@ -238,8 +243,8 @@ def pingpong_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: Gem
                 @pl.loop(0, num_blocks)
                 def _steps(t):
                     tokens = pl.ds(pl.multiple_of((first + t) * tk, tk), tk)
-                    ring.load(_owner(info), carry + t, x_gmem.at[tokens, pl.ds(ki * tm, tm)],
-                              dy_gmem.at[tokens, pl.ds(ni * tn, tn)])
+                    ring.load(barriers(info), carry + t, x_gmem.at[tokens, pl.ds(ki * cm, cm)],
+                              dy_gmem.at[tokens, pl.ds(ni * cn, cn)])
                 return carry + num_blocks
 
             ring.drain(total)
@@ -247,6 +252,7 @@ def pingpong_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: Gem
         @pl.when(wg < NUM_COMPUTE_WGS)
         def _compute():
             _compute_role()
+            part = None if pingpong else warpgroup_tile(cfg, wg)   # a ping-pong warpgroup owns its whole item
 
             @plgpu.nd_loop((num_groups, k_iters * n_iters), collective_axes="sm", init_carry=jnp.int32(0))
             def _items(info, carry):
@@ -254,81 +260,22 @@ def pingpong_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: Gem
                 first, num_blocks, start, end = (table_ref[i, g] for i in range(4))
 
                 def mma(acc_ref, t, x_smem, dy_smem):
-                    # only the first and last blocks can hold rows of other groups
-                    pl.when((t == 0) | (t == num_blocks - 1))(
-                        lambda: mask_token_rows(x_smem, (first + t) * tk, start, end))
-                    plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
-
-                @pl.when(_owner(info) == wg)
-                def _mine():
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
-                    def _acc(acc_ref):
-                        acc_ref = ring.accumulate(wg, carry, num_blocks, acc_ref, mma)
-                        store_rows(acc_ref[...], out_smem.at[wg], dw_gmem.at[g], ki * tm, ni * tn, cfg)
-                return carry + num_blocks
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def chained_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTiling):
-    """`_weight_grad_kernel` (cooperative: CTA tile cta_m x cta_n of dw[g], each compute warpgroup its
-    tile_m x tile_n part) with the CTA's token blocks on one shared ring across its items (module docstring)."""
-    assert cfg.schedule == "cooperative" and cfg.chain_items, cfg
-    num_groups, k, n = dw_gmem.shape
-    tk = cfg.tile_k
-    k_iters, n_iters = k // cfg.cta_m, n // cfg.cta_n
-    transforms = (swizzle_transforms(64, x_gmem.dtype), swizzle_transforms(64, dy_gmem.dtype))
-
-    def item_tile(info):
-        g = info.index[0]
-        ki, ni = plgpu.planar_snake(info.index[1], (k_iters, n_iters), cfg.grid_minor, cfg.grid_tile_width)
-        return g, ki, ni
-
-    @_ring_scope((tk, cfg.cta_m), x_gmem.dtype, (tk, cfg.cta_n), dy_gmem.dtype, cfg.max_concurrent_steps,
-                 transforms, epilogue_smem(cfg, dw_gmem.dtype), shared=True)
-    def _scope(ring, out_smem):
-        wg = lax.axis_index("wg")
-
-        @pl.when(wg == NUM_COMPUTE_WGS)
-        def _memory():
-            _memory_role()
-
-            @plgpu.nd_loop((num_groups, k_iters * n_iters), collective_axes="sm", init_carry=jnp.int32(0))
-            def total(info, carry):
-                g, ki, ni = item_tile(info)
-                first, num_blocks = table_ref[0, g], table_ref[1, g]
-
-                @pl.loop(0, num_blocks)
-                def _steps(t):
-                    tokens = pl.ds(pl.multiple_of((first + t) * tk, tk), tk)
-                    ring.load(0, carry + t, x_gmem.at[tokens, pl.ds(ki * cfg.cta_m, cfg.cta_m)],
-                              dy_gmem.at[tokens, pl.ds(ni * cfg.cta_n, cfg.cta_n)])
-                return carry + num_blocks
-
-            ring.drain(total)
-
-        @pl.when(wg < NUM_COMPUTE_WGS)
-        def _compute():
-            _compute_role()
-            wg_k, wg_n, wg_row0, wg_col0 = warpgroup_tile(cfg, wg)
-
-            @plgpu.nd_loop((num_groups, k_iters * n_iters), collective_axes="sm", init_carry=jnp.int32(0))
-            def _items(info, carry):
-                g, ki, ni = item_tile(info)
-                first, num_blocks, start, end = (table_ref[i, g] for i in range(4))
-
-                def mma(acc_ref, t, x_smem, dy_smem):
-                    x_mine = x_smem.at[:, wg_k]
+                    x_mine = x_smem if part is None else x_smem.at[:, part.rows]
                     # only the first and last blocks can hold rows of other groups
                     pl.when((t == 0) | (t == num_blocks - 1))(
                         lambda: mask_token_rows(x_mine, (first + t) * tk, start, end))
-                    plgpu.wgmma(acc_ref, x_mine.transpose((1, 0)), dy_smem.at[:, wg_n])
+                    dy_mine = dy_smem if part is None else dy_smem.at[:, part.cols]
+                    plgpu.wgmma(acc_ref, x_mine.transpose((1, 0)), dy_mine)
 
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
-                def _acc(acc_ref):
-                    acc_ref = ring.accumulate(0, carry, num_blocks, acc_ref, mma)
-                    store_rows(acc_ref[...], out_smem.at[wg], dw_gmem.at[g], ki * cfg.cta_m + wg_row0,
-                               ni * cfg.cta_n + wg_col0, cfg)
+                def run():
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
+                    def _acc(acc_ref):
+                        acc = ring.accumulate(wg if pingpong else 0, carry, num_blocks, acc_ref, mma)[...]
+                        row0, col0 = (ki * cm, ni * cn) if part is None else \
+                            (ki * cm + part.row0, ni * cn + part.col0)
+                        store_rows(acc, out_smem.at[wg], dw_gmem.at[g], row0, col0, cfg)
+
+                pl.when(_owner(info) == wg)(run) if pingpong else run()
                 return carry + num_blocks
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

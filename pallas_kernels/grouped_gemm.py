@@ -38,7 +38,7 @@ from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedG
                                            check_group_sizes, check_tiling, check_tuning_enums, epilogue_smem,
                                            fit_ragged_tiling, fit_smem, mask_token_rows, persistent_kernel, sm_count,
                                            store_rows, swizzle_transforms, warpgroup_tile)
-from pallas_kernels._pingpong_body import chained_weight_grad_kernel, pingpong_weight_grad_kernel
+from pallas_kernels._pingpong_body import ring_weight_grad_kernel
 from pallas_kernels._ragged_body import ragged_kernel
 from pallas_kernels._work_tables import ROW_ALIGN, cut_group_sizes, row_tile_table, token_block_table
 from pallas_kernels.grouped_gemm_reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
@@ -163,8 +163,8 @@ def _ragged_matmul(x, w, group_sizes, out_dtype, cfg, transpose_w, num_sms, inte
 def _weight_grad(x, dy, group_sizes, out_dtype, cfg, num_sms, interpret, tables="scan"):
     cfg = fit_smem(cfg, (cfg.cta_m + cfg.cta_n) * cfg.tile_k, out_dtype)
     table = token_block_table(group_sizes, x.shape[0], cfg.tile_k, method=tables)
-    kernel = (pingpong_weight_grad_kernel if cfg.schedule == "pingpong" else
-              chained_weight_grad_kernel if cfg.chain_items else _weight_grad_kernel)
+    ring = cfg.schedule == "pingpong" or cfg.chain_items   # one SMEM ring across items (_pingpong_body.py)
+    kernel = ring_weight_grad_kernel if ring else _weight_grad_kernel
     body = functools.partial(kernel, cfg=cfg)
     shape = (group_sizes.shape[0], x.shape[1], dy.shape[1])
     return _launch(body, shape, out_dtype, num_sms, interpret, table, x, dy)
