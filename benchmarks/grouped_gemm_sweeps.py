@@ -22,9 +22,12 @@ def sweep_backward(row, x, w, dy, gs, base, flops, record, args):
                       dict(tile_k=128, max_concurrent_steps=2), dict(wg_split="n")]
     dyb = dy.astype(x.dtype)
     for kernel, variants in (("dgrad", dgrad_variants), ("wgrad", wgrad_variants)):
-        ref = None
+        ref, seen = None, set()
         for v in variants:
             cfg = dataclasses.replace(getattr(base, kernel), **v)
+            if cfg in seen:   # e.g. chain_items=False where the default is not chained: timed once
+                continue
+            seen.add(cfg)
             if kernel == "dgrad" and (x.shape[1] % cfg.cta_n or w.shape[2] % cfg.tile_k):
                 continue
             tuning = dataclasses.replace(base, **{kernel: cfg})

@@ -1,4 +1,5 @@
-"""Hardware counters of the grouped GEMM's forward kernel next to the dense GEMM of the same FLOPs (issue 10).
+"""Hardware counters of the grouped GEMM's kernels (forward, input and weight gradient) next to the dense GEMM of
+the same FLOPs (issue 10).
 
 The Qwen3-30B-A3B / DeepSeekMoE rows run at 0.8-0.9x the dense GEMM; the guess in the notes was operand
 traffic: a 128 x 128 ping-pong item at K = 2048 reads 1 MB from L2 per ~9 us (64 FLOP per byte), where
@@ -37,8 +38,7 @@ SHAPES = {  # name: (rows M, K, N, groups), uniform routing, as probe_gate_up_fu
 KERNELS = r"regex:mosaic|nvjet|gemm|cutlass|xmma|sm90"   # the GEMM kernels; the work-table fusions are left out
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis")
 METRICS = ("gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second", "lts__t_bytes.sum",
-           "dram__bytes_read.sum", "lts__t_sector_hit_rate.pct",
-           "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active")
+           "dram__bytes_read.sum", "lts__t_sector_hit_rate.pct")   # (the gmma pipe metric read n/a here)
 
 
 def _profiler(start: bool):
@@ -62,8 +62,9 @@ KINDS = ("fwd", "dgrad", "wgrad")   # the forward, the input gradient, the weigh
 
 
 def _variants(name, kind):
-    """[(label, jitted fn, args)] for one shape and kernel kind: ours with its default tiles (and the
-    cooperative schedule where the default is ping-pong), then dense GEMMs of the same FLOPs."""
+    """[(label, jitted fn, args)] for one shape and kernel kind: ours with its default tiles, the cooperative
+    schedule where it differs, for the weight gradient the cooperative tiles unchained and chained (each label
+    only where its tiles differ from an earlier one's), then dense GEMMs of the same FLOPs."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -81,12 +82,15 @@ def _variants(name, kind):
     ours = {"fwd": (lambda t: lambda x, w, s: grouped_gemm(x, w, s, tuning=t), (x, w, sizes)),
             "dgrad": (lambda t: lambda dy, w, s: grouped_gemm_dgrad(dy, w, s, tuning=t), (dy, w, sizes)),
             "wgrad": (lambda t: lambda x, dy, s: grouped_gemm_wgrad(x, dy, s, tuning=t), (x, dy, sizes))}[kind]
-    out = [("ours/default", jax.jit(ours[0](base)), ours[1])]
-    if getattr(coop, kind) != getattr(base, kind):
-        out.append(("ours/cooperative", jax.jit(ours[0](coop)), ours[1]))
-    if kind == "wgrad":   # the cooperative weight gradient on one SMEM ring across items (chain_items)
-        chained = dataclasses.replace(coop, wgrad=dataclasses.replace(coop.wgrad, chain_items=True))
-        out.append(("ours/chained", jax.jit(ours[0](chained)), ours[1]))
+    tunings = [("ours/default", base), ("ours/cooperative", coop)]
+    if kind == "wgrad":   # the cooperative weight gradient on jax's per-item pipelines and on one SMEM ring
+        tunings += [(f"ours/{label}", dataclasses.replace(coop, wgrad=dataclasses.replace(coop.wgrad, chain_items=c)))
+                    for label, c in (("unchained", False), ("chained", True))]
+    out, seen = [], []
+    for label, tuning in tunings:   # a tuning equal to an earlier one (for this kernel) is not timed twice
+        if getattr(tuning, kind) not in seen:
+            seen.append(getattr(tuning, kind))
+            out.append((label, jax.jit(ours[0](tuning)), ours[1]))
     # the dense GEMM of the same FLOPs: [M, K] x [K, N], [M, N] x [N, K], [K, M] x [M, N]
     a, b = {"fwd": (x, w[0]), "dgrad": (dy, w[0].T), "wgrad": (x.T, dy)}[kind]
     out.append(("dense/xla_dot", jax.jit(lambda a, b: a @ b), (a, b)))
@@ -123,13 +127,20 @@ def sustained(fn, args, seconds=1.5):
         return (time.perf_counter() - t0) / calls
 
     loop(0.3)
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits",
-                            "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"   # jax's device 0
+    smi = subprocess.Popen(["nvidia-smi", "-i", gpu, f"--query-gpu={','.join(SMI_FIELDS)}",
+                            "--format=csv,noheader,nounits", "-lms", "50"], stdout=subprocess.PIPE, text=True)
     per_call = loop(seconds)
     smi.terminate()
-    samples = [line.split(", ") for line in smi.communicate()[0].splitlines() if line.count(", ") == 2]
+    samples = []
+    for line in smi.communicate()[0].splitlines():
+        fields = line.split(", ")
+        try:   # a line with [N/A] or cut off by the terminate is skipped
+            samples.append((float(fields[0]), float(fields[1]), fields[2]))
+        except (IndexError, ValueError):
+            continue
     samples = samples[2:] or samples   # the first samples can predate the loop's steady state
-    clocks, watts = [float(c) for c, _, _ in samples], [float(p) for _, p, _ in samples]
+    clocks, watts = [c for c, _, _ in samples], [p for _, p, _ in samples]
     return {"seconds_per_call": per_call, "samples": len(samples),
             "sm_clock_mhz": statistics.median(clocks) if clocks else None,
             "power_w": statistics.median(watts) if watts else None,
@@ -172,17 +183,18 @@ def workload(names, kinds, time_them: bool):
                                         "errors": {k: str(v)[:300] for k, v in errors.items()}}), flush=True)
 
 
-def _result_line(text):
+def _result_line(text, stderr=""):
     for line in text.splitlines():
         if line.startswith("PROBE_RESULT "):
             return json.loads(line[len("PROBE_RESULT "):])
-    raise RuntimeError("the workload printed no PROBE_RESULT line; its output ends:\n" + text[-3000:])
+    raise RuntimeError("the workload printed no PROBE_RESULT line; its output ends:\n" + text[-3000:] +
+                       "\nstderr ends:\n" + stderr[-3000:])
 
 
 def parse_ncu_csv(text):
     """ncu --csv --page details rows -> [{'kernel': name, 'metrics': {'Section/Metric (unit)': value}}] in
     launch order (the 'ID' column)."""
-    start = text.find('"ID"')
+    start = text.find('"ID","Process ID"')
     if start < 0:
         raise RuntimeError("no ncu CSV table in the output; it ends:\n" + text[-3000:])
     kernels = {}
@@ -221,9 +233,9 @@ def attribute(order, kernels):
 MMA_FLOPS_PER_SM_CYCLE = 4096
 
 
-def summarize(label, kernel, seconds_unprofiled=None, sustained_row=None):
+def summarize(label, kernel, seconds_unprofiled=None, sustained_row=None, num_sms=132):
     """The numbers the verdicts need from one profiled kernel: its time and rate under ncu, the SM clock, the
-    elapsed cycles against the fewest the MMAs need at that SM count (tiles, waves and stalls all count
+    elapsed cycles against the fewest the MMAs need on `num_sms` SMs (tiles, waves and stalls all count
     against it), the share of cycles the SMs were active, DRAM bytes and L2 load; and the whole call's
     time outside the profiler (work tables and launch gaps included, the GPU at its sustained clock)."""
     m_, k_, n_ = (SHAPES[label.split("/")[0]][i] for i in range(3))
@@ -239,8 +251,8 @@ def summarize(label, kernel, seconds_unprofiled=None, sustained_row=None):
            "dram_throughput_pct": metric.get("DRAM Throughput (%)"),
            "sm_active_share": (metric["SM Active Cycles (cycle)"] / elapsed
                                if elapsed and "SM Active Cycles (cycle)" in metric else None)}
-    # the cycle efficiency counts 132 SMs (the whole GPU) whatever the grid: idle SMs are a loss too
-    out["mma_cycles_share"] = flops / (132 * MMA_FLOPS_PER_SM_CYCLE) / elapsed if elapsed else None
+    # the cycle efficiency counts every SM of the GPU whatever the grid: idle SMs are a loss too
+    out["mma_cycles_share"] = flops / (num_sms * MMA_FLOPS_PER_SM_CYCLE) / elapsed if elapsed else None
     out["grid_ctas"] = ctas
     if seconds_unprofiled:
         out.update(call_ms=seconds_unprofiled * 1e3, call_tflops=flops / seconds_unprofiled / 1e12)
@@ -270,12 +282,17 @@ def main():
         return workload(names, kinds, args.time)
     if not args.out:
         sys.exit("--out is required (the JSON to write)")
+    # this process reads the environment (jax on the GPU) while the profiled one runs: no preallocation here
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    import jax
+
     from benchmarks.environment import environment
 
     me = [sys.executable, "-m", "benchmarks.probe_ncu_grouped_gemm", "--workload", "--only", ",".join(names),
           "--kernels", ",".join(kinds)]
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")   # ncu's replays save / restore memory
-    timed = _result_line(subprocess.run(me + ["--time"], env=env, capture_output=True, text=True).stdout)
+    timing = subprocess.run(me + ["--time"], env=env, capture_output=True, text=True)
+    timed = _result_line(timing.stdout, timing.stderr)
     result = {"benchmark": "probe_ncu_grouped_gemm", "environment": environment(), "description": __doc__.strip(),
               "shapes": {n: dict(zip(("m", "k", "n", "groups"), SHAPES[n])) for n in names}, "kernels": kinds,
               "seconds_unprofiled": timed["seconds"], "sustained": timed["sustained"],
@@ -287,12 +304,13 @@ def main():
         try:
             kernels = parse_ncu_csv(run.stdout)
             result["ncu"] = {"attempt": attempt, "command": " ".join(cmd),
-                             "variants": attribute(_result_line(run.stdout)["order"], kernels)}
+                             "variants": attribute(_result_line(run.stdout, run.stderr)["order"], kernels)}
             break
         except RuntimeError as err:
             result.setdefault("ncu_failures", []).append({"attempt": attempt, "rc": run.returncode,
                                                          "error": str(err)[-2000:], "stderr": run.stderr[-2000:]})
-    result["summary"] = {label: summarize(label, v, timed["seconds"].get(label), timed["sustained"].get(label))
+    sms = jax.devices()[0].core_count
+    result["summary"] = {label: summarize(label, v, timed["seconds"].get(label), timed["sustained"].get(label), sms)
                          for label, v in result.get("ncu", {}).get("variants", {}).items()}
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)

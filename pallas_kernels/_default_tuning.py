@@ -35,7 +35,7 @@ def default_tuning(m: int, k: int, n: int, num_groups: int, pingpong: bool = Tru
     rows_per_group = m / max(num_groups, 1)
     fwd = _long_reduction_steps(fit_tiling(GemmTiling(chain_items=True), n, "N"), reduction=k, out_cols=n)
     dgrad = _long_reduction_steps(fit_tiling(GemmTiling(), k, "K"), reduction=n, out_cols=k)
-    wgrad = _chained_wgrad_on_full_tiles(fit_wgrad_tiling(GemmTiling(), k, n))
+    wgrad = _chained_wgrad_where_measured(fit_wgrad_tiling(GemmTiling(), k, n))
     fwd, dgrad = _rows_for_small_groups(fwd, n, rows_per_group), _rows_for_small_groups(dgrad, k, rows_per_group)
     if pingpong:
         fwd, dgrad = _pingpong_for_short_reductions(fwd, k, n), _pingpong_for_short_reductions(dgrad, n, k)
@@ -68,18 +68,22 @@ PINGPONG_TILING = GemmTiling(tile_m=128, tile_n=128, tile_k=64, max_concurrent_s
 # fine-grained models, whose dw tiles are few per group). The rounds' same-kernel spread was 0.5-5% on these
 # runs, so the threshold is coarse. M / G is the buffer's rows per group (an upper bound of the routed rows).
 PINGPONG_WGRAD_MAX_ROWS = 1024
+PINGPONG_WGRAD_MAX_ROWS_NARROW, NARROW_HIDDEN = 2048, 2048
 # Where the weight gradient stays cooperative it runs its items on one SMEM ring (chain_items: the next item's
 # token blocks load while this item's tile is stored, `_pingpong_body.ring_weight_grad_kernel`). Against the
 # unchained cooperative kernel, the wgrad call alone in one set of rounds
 # (benchmarks/results/probe_ncu_wgrad_chained_h200.json): Mixtral 8x7B EP1 (2048 rows per group, K 4096)
 # 657 vs 635 TFLOP/s, DeepSeek-V3 EP8 (2048 rows, K 7168) 646 vs 628; Nsight Compute: 0.884 vs 0.865 of the
 # MMA-bound cycles on both. Where groups are small the ping-pong schedule still beats it (Qwen3 EP1, 512 rows:
-# 510 vs 501; DeepSeekMoE EP1, 768 rows: 576 vs 550), so the rule above is unchanged. Only the 128 x 128
-# warpgroup tiles take it (both splits measured and GPU-tested); the 64-wide fallbacks of shapes whose K and N
-# are not multiples of 128 x 2 keep jax's pipelines until the ring has run there on the GPU.
-def _chained_wgrad_on_full_tiles(cfg: GemmTiling) -> GemmTiling:
-    return dataclasses.replace(cfg, chain_items=True) if (cfg.tile_m, cfg.tile_n) == (128, 128) else cfg
-PINGPONG_WGRAD_MAX_ROWS_NARROW, NARROW_HIDDEN = 2048, 2048
+# 510 vs 501; DeepSeekMoE EP1, 768 rows: 576 vs 550), so the rule above is unchanged. Only the tiles it was
+# timed on take it: 128 x 128 per warpgroup, stacked along M (CTA 256 x 128). The side-by-side split (K a
+# multiple of 128 but not 256, e.g. DeepSeekMoE's down projection, K 1408) passed its GPU tests on the ring
+# but was not timed, and the 64-wide fallbacks ran only in the interpreter: both keep jax's pipelines.
+
+
+def _chained_wgrad_where_measured(cfg: GemmTiling) -> GemmTiling:
+    measured = (cfg.tile_m, cfg.tile_n, cfg.wg_split, cfg.schedule) == (128, 128, "m", "cooperative")
+    return dataclasses.replace(cfg, chain_items=True) if measured else cfg
 
 
 def _pingpong_wgrad_for_small_groups(cfg: GemmTiling, k: int, n: int, rows_per_group: float) -> GemmTiling:
@@ -135,7 +139,7 @@ def default_kernel_tuning(kernel: str, k: int, n: int, m: int | None = None,
             fit = _rows_for_small_groups(fit, k, m / num_groups)
         fit = _pingpong_for_short_reductions(fit, reduction=n, out_cols=k)
     else:
-        fit = _chained_wgrad_on_full_tiles(fit_wgrad_tiling(GemmTiling(), k, n))
+        fit = _chained_wgrad_where_measured(fit_wgrad_tiling(GemmTiling(), k, n))
         if m is not None and num_groups:
             fit = _pingpong_wgrad_for_small_groups(fit, k, n, m / num_groups)
     return dataclasses.replace(GroupedGemmTuning(), **{kernel: fit})

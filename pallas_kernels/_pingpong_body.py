@@ -25,10 +25,10 @@ cooperative schedule.
 
 The chained weight gradient (`ring_weight_grad_kernel` with a cooperative cfg) is the cooperative one
 (`_weight_grad_kernel`'s tiles: both compute warpgroups on one CTA tile) on the same ring, so that the memory
-warpgroup runs on into the next item's token blocks while the compute warpgroups store this item's tile: the pipeline fill between items is hidden (jax's
-pipelines chain only static grids, and a group's token blocks are a traced count). Both warpgroups read every
-stage, so there is one full-barrier array, which both wait on in order (each sees every phase), and a stage's
-`empty` barrier counts both releases.
+warpgroup runs on into the next item's token blocks while the compute warpgroups store this item's tile: the
+pipeline fill between items is hidden (jax's pipelines chain only static grids, and a group's token blocks are
+a traced count). Both warpgroups read every stage, so there is one full-barrier array, which both wait on in
+order (each sees every phase), and a stage's `empty` barrier counts both releases.
 """
 from __future__ import annotations
 

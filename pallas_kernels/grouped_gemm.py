@@ -14,7 +14,8 @@ Two kernel bodies (three launches), one persistent warp-specialised design (1 TM
   * `_weight_grad_kernel` `dw[g] = x_gᵀ · dy_g`: work items are (group, K tile, N tile); the reduction runs
                           over the group's token blocks, rows of neighbouring groups masked in SMEM.
 Both have a ping-pong twin in _pingpong_body.py (`GemmTiling.schedule='pingpong'`: each compute warpgroup on
-its own work items), which the default tuning takes for short reductions.
+its own work items), which the default tuning takes for short reductions; the weight gradient's cooperative
+tiles also run there on one SMEM ring across items (`chain_items`, the default on its 256 x 128 CTA tiles).
 Public entry points, each validated and each with a plain-jnp `*_reference` twin (grouped_gemm_reference.py):
 `grouped_gemm` (differentiable: `jax.custom_vjp`), `grouped_gemm_dgrad` and `grouped_gemm_wgrad`. The
 custom VJP's backward is exactly those two calls, so a hand-written backward can put communication

@@ -230,7 +230,7 @@ def test_interpret_chained_weight_gradient_edge_cases_match_reference_without_ra
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
     m, k, n, sizes, overrides, num_sms = CHAINED_WGRAD_CASES[case]
     monkeypatch.setattr(grouped_tiles, "INTERPRET_PARAMS", {"detect_races": True})
-    cfg = dataclasses.replace(SMALL_TUNING.wgrad, chain_items=True, **overrides)
+    cfg = dataclasses.replace(SMALL_TUNING.wgrad, chain_items=True, **{"max_concurrent_steps": 3, **overrides})
     tuning = dataclasses.replace(SMALL_TUNING, wgrad=cfg, num_sms=num_sms)
     x, _, dy, group_sizes = _random_problem(41, m, k, n, sizes)
     dy = dy.astype(jnp.bfloat16)
@@ -358,6 +358,7 @@ def test_default_tuning_takes_pingpong_for_short_reductions(k, n, fwd, dgrad):
     (49152, 32, 7168, 2048, "cooperative"),   # DeepSeek-V3 EP8 at 6144 tokens: 1536
     (196608, 64, 2048, 1408, "cooperative"),  # DeepSeekMoE at 32k tokens: 3072
     (49152, 64, 2048, 704, "cooperative"),    # N = 704 is no multiple of the 128-wide tile
+    (196608, 64, 1408, 2048, "cooperative"),  # DeepSeekMoE's down projection at 32k tokens: K 1408
 ])
 def test_default_weight_gradient_takes_pingpong_for_small_groups(m, g, k, n, schedule):
     t = default_tuning(m, k, n, g)
@@ -365,11 +366,13 @@ def test_default_weight_gradient_takes_pingpong_for_small_groups(m, g, k, n, sch
     assert k % t.wgrad.cta_m == 0 and n % t.wgrad.cta_n == 0
     assert default_kernel_tuning("wgrad", k, n, m, g).wgrad == t.wgrad   # wgrad alone gets the same tiles
     assert default_tuning(m, k, n, g, pingpong=False).wgrad.schedule == "cooperative"
-    # the cooperative weight gradient runs on the ring (chain_items) on 128 x 128 warpgroup tiles only
-    full_tiles = (t.wgrad.tile_m, t.wgrad.tile_n) == (128, 128)
-    assert t.wgrad.chain_items == (schedule == "cooperative" and full_tiles)
+    # the cooperative weight gradient runs on the ring (chain_items) on the tiles it was timed on only
+    timed_tiles = (t.wgrad.tile_m, t.wgrad.tile_n, t.wgrad.wg_split) == (128, 128, "m")
+    assert t.wgrad.chain_items == (schedule == "cooperative" and timed_tiles)
     if n == 704:   # the 64-wide fallback keeps jax's pipelines
-        assert not full_tiles and not t.wgrad.chain_items
+        assert not timed_tiles and not t.wgrad.chain_items
+    if (k, n) == (1408, 2048):   # DeepSeekMoE's down projection: side-by-side warpgroups, not timed on the ring
+        assert t.wgrad.wg_split == "n" and not t.wgrad.chain_items
 
 
 @pytest.mark.parametrize("m, g, cta_rows", [(49152, 64, 128), (49152, 8, 256)])
