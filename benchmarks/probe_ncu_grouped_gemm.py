@@ -11,8 +11,8 @@ profiler (loop_timing.time_rounds), since ncu's replays flush caches and seriali
 
     python3 -m benchmarks.probe_ncu_grouped_gemm --out results.json    # runs ncu on itself (--workload)
 
-Variants per shape: ours with its default tuning, ours with the cooperative schedule (where the default is
-ping-pong), for the weight gradient the cooperative tiles on one SMEM ring across items (`chain_items`), XLA's
+Variants per shape: ours with its default tuning, ours with the cooperative schedule where it differs, for the
+weight gradient the cooperative tiles unchained and on one SMEM ring across items (`chain_items`), XLA's
 dense dot of the same FLOPs, and jax's Pallas Hopper matmul on the dense shape with and
 without a 2-CTA cluster sharing the w tile (TMA multicast inside the cluster: SM to SM, not NVLink).
 """
@@ -229,8 +229,13 @@ def attribute(order, kernels):
     return out
 
 
-# Hopper's dense bf16 rate per SM and clock: 989.4 TFLOP/s at the H100 SXM's 1830 MHz boost over 132 SMs
-MMA_FLOPS_PER_SM_CYCLE = 4096
+def mma_flops_per_sm_cycle():
+    """Hopper's dense bf16 rate per SM and clock (4096): the planner's peak, 989.4 TFLOP/s, is 132 SMs at
+    1830 MHz. Imported here, not at the top: the planner imports jax, which this process must not start
+    before it has turned preallocation off (main)."""
+    from megascale_jax.planner.efficiency import H200_PEAK_TFLOPS
+
+    return round(H200_PEAK_TFLOPS * 1e12 / (132 * 1830e6))
 
 
 def summarize(label, kernel, seconds_unprofiled=None, sustained_row=None, num_sms=132):
@@ -238,7 +243,7 @@ def summarize(label, kernel, seconds_unprofiled=None, sustained_row=None, num_sm
     elapsed cycles against the fewest the MMAs need on `num_sms` SMs (tiles, waves and stalls all count
     against it), the share of cycles the SMs were active, DRAM bytes and L2 load; and the whole call's
     time outside the profiler (work tables and launch gaps included, the GPU at its sustained clock)."""
-    m_, k_, n_ = (SHAPES[label.split("/")[0]][i] for i in range(3))
+    m_, k_, n_ = SHAPES[label.split("/")[0]][:3]
     flops = 2 * m_ * k_ * n_
     metric = {key.split("/", 1)[1]: v for key, v in kernel["metrics"].items()}
     ns, elapsed = metric.get("Duration (ns)"), metric.get("Elapsed Cycles (cycle)")
@@ -252,7 +257,7 @@ def summarize(label, kernel, seconds_unprofiled=None, sustained_row=None, num_sm
            "sm_active_share": (metric["SM Active Cycles (cycle)"] / elapsed
                                if elapsed and "SM Active Cycles (cycle)" in metric else None)}
     # the cycle efficiency counts every SM of the GPU whatever the grid: idle SMs are a loss too
-    out["mma_cycles_share"] = flops / (num_sms * MMA_FLOPS_PER_SM_CYCLE) / elapsed if elapsed else None
+    out["mma_cycles_share"] = flops / (num_sms * mma_flops_per_sm_cycle()) / elapsed if elapsed else None
     out["grid_ctas"] = ctas
     if seconds_unprofiled:
         out.update(call_ms=seconds_unprofiled * 1e3, call_tflops=flops / seconds_unprofiled / 1e12)
@@ -290,7 +295,7 @@ def main():
 
     me = [sys.executable, "-m", "benchmarks.probe_ncu_grouped_gemm", "--workload", "--only", ",".join(names),
           "--kernels", ",".join(kinds)]
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")   # ncu's replays save / restore memory
+    env = dict(os.environ)   # no preallocation (set above) in the children either: ncu's replays save memory
     timing = subprocess.run(me + ["--time"], env=env, capture_output=True, text=True)
     timed = _result_line(timing.stdout, timing.stderr)
     result = {"benchmark": "probe_ncu_grouped_gemm", "environment": environment(), "description": __doc__.strip(),
