@@ -12,7 +12,8 @@ of copying them, and `grouped_gemm.py` keeps the kernel bodies, launch, validati
   * Tile helpers inside kernel bodies: `swizzle_transforms`, `warpgroup_tile` (a warpgroup's part of the
                   CTA tile) and `warpgroup_mma` (its plain K-step body), `epilogue_smem` + `store_rows` /
                   `stage_zeros` (the ragged-row TMA epilogue, also storing zero tiles without any loads),
-                  `mask_token_rows`.
+                  `mask_token_rows` and `weight_grad_step` (a weight-gradient token block: the masked x rows, then
+                  the wgmma; both weight-gradient kernels run it).
 The module is private (underscore); its names are not, because sibling kernels import them.
 """
 from __future__ import annotations
@@ -333,6 +334,14 @@ def warpgroup_mma(tile: WarpgroupTile):
         plgpu.wgmma_wait(0)
         return acc_ref
     return mma
+
+
+def weight_grad_step(acc_ref, x_tile, dy_tile, step, num_blocks, row0, start, end):
+    """One token block of a weight-gradient item: acc += x_tileᵀ @ dy_tile (issued, not waited for), after
+    deselecting x's rows outside the group's [start, end). Only the item's first and last blocks can hold
+    rows of other groups, so only they pay for the select."""
+    pl.when((step == 0) | (step == num_blocks - 1))(lambda: mask_token_rows(x_tile, row0, start, end))
+    plgpu.wgmma(acc_ref, x_tile.transpose((1, 0)), dy_tile)
 
 
 def mask_token_rows(ref, row0, start, end):

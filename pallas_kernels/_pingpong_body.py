@@ -41,8 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, PINGPONG_MAX_STAGES, PINGPONG_MIN_STAGES, GemmTiling,
-                                           epilogue_smem, mask_token_rows, stage_zeros, store_rows, swizzle_transforms,
-                                           warpgroup_tile)
+                                           epilogue_smem, stage_zeros, store_rows, swizzle_transforms, warpgroup_tile,
+                                           weight_grad_step)
 from pallas_kernels._work_tables import ROW_ALIGN
 
 __all__ = ["pingpong_kernel", "ring_weight_grad_kernel"]
@@ -261,11 +261,8 @@ def ring_weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTil
 
                 def mma(acc_ref, t, x_smem, dy_smem):
                     x_mine = x_smem if part is None else x_smem.at[:, part.rows]
-                    # only the first and last blocks can hold rows of other groups
-                    pl.when((t == 0) | (t == num_blocks - 1))(
-                        lambda: mask_token_rows(x_mine, (first + t) * tk, start, end))
                     dy_mine = dy_smem if part is None else dy_smem.at[:, part.cols]
-                    plgpu.wgmma(acc_ref, x_mine.transpose((1, 0)), dy_mine)
+                    weight_grad_step(acc_ref, x_mine, dy_mine, t, num_blocks, (first + t) * tk, start, end)
 
                 def run():
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))

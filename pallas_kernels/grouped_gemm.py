@@ -37,8 +37,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._default_tuning import default_kernel_tuning, default_tuning
 from pallas_kernels._grouped_tiles import (NUM_COMPUTE_WGS, GemmTiling, GroupedGemmTuning, check_dtypes,
                                            check_group_sizes, check_tiling, check_tuning_enums, epilogue_smem,
-                                           fit_ragged_tiling, fit_smem, mask_token_rows, persistent_kernel, sm_count,
-                                           store_rows, swizzle_transforms, warpgroup_tile)
+                                           fit_ragged_tiling, fit_smem, persistent_kernel, sm_count,
+                                           store_rows, swizzle_transforms, warpgroup_tile, weight_grad_step)
 from pallas_kernels._pingpong_body import ring_weight_grad_kernel
 from pallas_kernels._ragged_body import ragged_kernel
 from pallas_kernels._work_tables import ROW_ALIGN, cut_group_sizes, row_tile_table, token_block_table
@@ -100,13 +100,9 @@ def _weight_grad_kernel(table_ref, x_gmem, dy_gmem, dw_gmem, *, cfg: GemmTiling)
                                 ni * cfg.cta_n + wg_col0, cfg)
 
             def mma(idx, x_smem, dy_smem, acc_ref):
-                x_mine = x_smem.at[:, wg_k]
                 step = idx[0]
-                row0 = (first + step) * cfg.tile_k
-                # only the first and last blocks can hold rows of other groups
-                pl.when((step == 0) | (step == num_blocks - 1))(
-                    lambda: mask_token_rows(x_mine, row0, start, end))
-                plgpu.wgmma(acc_ref, x_mine.transpose((1, 0)), dy_smem.at[:, wg_n])
+                weight_grad_step(acc_ref, x_smem.at[:, wg_k], dy_smem.at[:, wg_n], step, num_blocks,
+                                 (first + step) * cfg.tile_k, start, end)
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
