@@ -120,6 +120,12 @@ def jax_impls(m, k, n, g, args):
             pp = GemmTiling(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=depth, schedule="pingpong")
             tun = dataclasses.replace(base, fwd=pp, dgrad=pp)
             impls[label] = functools.partial(_with_tuning, interpret=interp, tuning=tun)
+    # the ping-pong input gradient's work order in wider bands of row tiles (default 8): a band of 16 covers
+    # 2048 rows, so a group of that size reads each of its weight's column tiles once instead of once per band
+    if base.dgrad.schedule == "pingpong":
+        for band in (16, 32):
+            banded = dataclasses.replace(base, dgrad=dataclasses.replace(base.dgrad, grid_tile_width=band))
+            impls[f"ours_dgrad_band{band}"] = functools.partial(_with_tuning, interpret=interp, tuning=banded)
     # the weight gradient's ping-pong schedule (128 x 128 tiles of dw per warpgroup) on the default tuning
     if k % PINGPONG_TILING.tile_m == 0 and n % PINGPONG_TILING.tile_n == 0:
         impls["ours_pingpong_wgrad"] = functools.partial(
