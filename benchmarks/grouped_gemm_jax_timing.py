@@ -120,8 +120,9 @@ def jax_impls(m, k, n, g, args):
             pp = GemmTiling(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=depth, schedule="pingpong")
             tun = dataclasses.replace(base, fwd=pp, dgrad=pp)
             impls[label] = functools.partial(_with_tuning, interpret=interp, tuning=tun)
-    # the ping-pong input gradient's work order in wider bands of row tiles (default 8): a band of 16 covers
-    # 2048 rows, so a group of that size reads each of its weight's column tiles once instead of once per band
+    # the ping-pong input gradient's work order in wider bands of row tiles (default 8). The suspect (not
+    # measured) for its 9% loss on DeepSeek-V3 EP8 on an H100: bands of 8 (1024 rows) walk a 2048-row group's
+    # 29 MB weight twice, a band of 16 once (grouped_gemm_dsv3_schedules_h100.json)
     if base.dgrad.schedule == "pingpong":
         for band in (16, 32):
             banded = dataclasses.replace(base, dgrad=dataclasses.replace(base.dgrad, grid_tile_width=band))
