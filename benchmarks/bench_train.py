@@ -11,6 +11,8 @@ NAME:key=value,...` adds runs of the same configs with overrides, e.g. `--varian
 from __future__ import annotations
 
 import argparse
+import glob
+import gzip
 import json
 import os
 import statistics
@@ -22,6 +24,7 @@ import jax
 
 from benchmarks import gpu_trace
 from benchmarks.environment import environment
+from benchmarks.hlo_sources import instruction_sources
 from megascale_jax.config import default_config
 from megascale_jax.metrics import peak_flops_per_device
 from megascale_jax.model.accounting import model_size
@@ -38,12 +41,16 @@ def _parse_overrides(text: str) -> dict:
     return out
 
 
-def run_trainer(name: str, overrides: dict, out_dir: str) -> list[dict]:
+def run_trainer(name: str, overrides: dict, out_dir: str, hlo_dump_dir: str | None = None) -> list[dict]:
     """`python -m megascale_jax.train --config configs/<name>.py --config.<key>=<value> ...` as a user runs it;
-    returns its logged train records (metrics.jsonl). A failed run raises with the tail of its stderr."""
+    returns its logged train records (metrics.jsonl). A failed run raises with the tail of its stderr.
+    `hlo_dump_dir`: XLA writes the train step's compiled HLO there (see `step_sources`)."""
     flags = [f"--config.{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in overrides.items()]
     cmd = [sys.executable, "-m", "megascale_jax.train", f"--config=configs/{name}.py", *flags]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    if hlo_dump_dir:
+        env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), f"--xla_dump_to={hlo_dump_dir}",
+                                                  "--xla_dump_hlo_as_text", "--xla_dump_hlo_module_re=jit_step_fn"]))
     proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, env=env)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-1500:]}")
@@ -51,10 +58,27 @@ def run_trainer(name: str, overrides: dict, out_dir: str) -> list[dict]:
         return [r for r in map(json.loads, f) if r.get("split") == "train"]
 
 
+def step_hlo(dump_dir: str) -> str:
+    """The train step's optimized HLO text in an XLA dump (the largest `jit_step_fn` module, should the trainer
+    have compiled more than one)."""
+    dumps = glob.glob(os.path.join(dump_dir, "*jit_step_fn*after_optimizations.txt"))
+    if not dumps:
+        raise FileNotFoundError(f"no *jit_step_fn*after_optimizations.txt in {dump_dir}: did XLA_FLAGS reach the trainer?")
+    with open(max(dumps, key=os.path.getsize)) as f:
+        return f.read()
+
+
+def step_sources(dump_dir: str) -> dict:
+    """benchmarks/hlo_sources.instruction_sources of the train step's optimized HLO in an XLA dump."""
+    return instruction_sources(step_hlo(dump_dir))
+
+
 def bench_config(name: str, steps: int, log_every: int, overrides: dict, profile_steps: int = 0,
-                 profile_top: int = 25) -> dict:
+                 profile_top: int = 25, with_sources: bool = False, hlo_copy: str | None = None) -> dict:
     """`profile_steps` > 0 traces that many steps at the end of the run (after compilation and warm-up) and adds
-    the GPU time breakdown of `benchmarks.gpu_trace` as row["profile"]."""
+    the GPU time breakdown of `benchmarks.gpu_trace` as row["profile"]; `with_sources` also names each listed
+    kernel's jax op and source line (from an XLA dump of the step) and sums the non-GEMM ones by line;
+    `hlo_copy`: with `with_sources`, the step's optimized HLO is also written there, gzipped (to read a fusion)."""
     profile = {"profile.start_step": steps - profile_steps, "profile.num_steps": profile_steps} if profile_steps \
         else {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,9 +86,16 @@ def bench_config(name: str, steps: int, log_every: int, overrides: dict, profile
                      "train.warmup_steps": min(5, steps), "output.dir": tmp, "output.tensorboard": False,
                      **profile, **overrides}
         cfg = default_config(name, num_devices=jax.device_count(), **overrides)   # errors before the run
-        logged = run_trainer(name, overrides, tmp)
+        dump_dir = os.path.join(tmp, "xla") if profile_steps and with_sources else None
+        logged = run_trainer(name, overrides, tmp, dump_dir)
         breakdown = gpu_trace.breakdown(gpu_trace.load_trace(gpu_trace.latest_trace_file(
-            os.path.join(tmp, "profile"))), profile_steps, top=profile_top) if profile_steps else None
+            os.path.join(tmp, "profile"))), profile_steps, top=profile_top,
+            sources=step_sources(dump_dir) if dump_dir else None) if profile_steps else None
+        if dump_dir and hlo_copy:
+            with gzip.open(hlo_copy, "wt") as f:
+                f.write(step_hlo(dump_dir))
+        if breakdown and dump_dir:
+            breakdown["other_top_kernels_ms_by_source"] = gpu_trace.other_by_source(breakdown["top_kernels"])
     rates = [l["tokens_per_s"] for l in logged[1:] if l.get("tokens_per_s")]
     size = model_size(cfg.model, cfg.train.seq_len)
     tokens_per_s = statistics.median(rates) if rates else None
@@ -108,6 +139,10 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="trace the last N steps of each run and add benchmarks/gpu_trace.py's breakdown")
     ap.add_argument("--profile-top", type=int, default=25, help="kernels listed by name in each profile")
+    ap.add_argument("--hlo-sources", action="store_true",
+                    help="with --profile-steps: name each listed kernel's jax op and source line (XLA dump)")
+    ap.add_argument("--save-hlo", action="store_true",
+                    help="with --hlo-sources: write each run's step HLO next to --out (<out>.<config>.<variant>.hlo.gz)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     common = _parse_overrides(args.set)
@@ -118,7 +153,8 @@ def main() -> None:
         for variant, extra in variants:
             try:
                 row = bench_config(name, args.steps, args.log_every, {**common, **extra}, args.profile_steps,
-                                   args.profile_top)
+                                   args.profile_top, args.hlo_sources,
+                                   f"{args.out}.{name}.{variant}.hlo.gz" if args.save_hlo else None)
             except Exception as err:  # noqa: BLE001 - record the failure next to the other results
                 row = {"config": name, "overrides": {**common, **extra}, "error": f"{type(err).__name__}: {err}"[:800]}
             row["variant"] = variant

@@ -20,6 +20,7 @@ import glob
 import gzip
 import json
 import os
+import re
 
 # Substrings of lower-cased kernel names, checked in order; the first that matches names the category.
 _COMM_KINDS = (("alltoall", "all_to_all"), ("sendrecv", "send_recv"), ("allgather", "all_gather"),
@@ -152,6 +153,24 @@ def breakdown(trace: dict, num_steps: int, top: int = 25, sources: dict | None =
         "busy_ms": ms(busy), "comm_ms": ms(comm), "exposed_comm_ms": ms(exposed),
         "kernel_ms_by_category": {k: ms(v) for k, v in sorted(by_category.items())},
         "top_kernels": [{"name": k[:160], "category": kernel_category(k), "ms": ms(v), "args": sample_args.get(k, {}),
-                         **({"source": sources[k]} if sources and k in sources else {})}
+                         **({"source": source_of(k, sources)} if source_of(k, sources) else {})}
                         for k, v in by_name.most_common(top)],
     }
+
+
+def source_of(kernel_name: str, sources: dict | None) -> dict | None:
+    """The HLO instruction a kernel was compiled from: the GPU trace names a fusion's kernel after the
+    instruction with its '.N' suffix written '_N' (`input_reduce_fusion_31` is `input_reduce_fusion.31`)."""
+    if not sources:
+        return None
+    return sources.get(kernel_name) or sources.get(re.sub(r"_(\d+)$", r".\1", kernel_name))
+
+
+def other_by_source(top_kernels: list[dict]) -> dict[str, float]:
+    """ms per source line of the listed non-GEMM, non-attention kernels ('unmapped' where no source is known;
+    XLA reuses one compiled kernel for identical fusions, so a name's time can cover several lines' work)."""
+    out: dict[str, float] = collections.Counter()
+    for k in top_kernels:
+        if k["category"] == "other":
+            out[(k.get("source") or {}).get("where") or "unmapped"] += k["ms"]
+    return {w: round(ms, 3) for w, ms in sorted(out.items(), key=lambda kv: -kv[1])}

@@ -108,3 +108,31 @@ def test_breakdown_attaches_sources_to_the_kernels_they_name():
     top = {k["name"]: k for k in gpu_trace.breakdown(_trace(), num_steps=1, sources=sources)["top_kernels"]}
     assert top["loop_add_fusion"]["source"] == sources["loop_add_fusion"]
     assert "source" not in top["sm90_xmma_gemm_bf16"]
+
+
+def test_kernel_names_with_an_underscore_suffix_find_their_dotted_hlo_instruction():
+    sources = {"input_reduce_fusion.31": {"op": "jit(f)/reduce_max", "where": "megascale_jax/x.py:9 (g)"},
+               "loop_add_fusion": {"op": "jit(f)/add", "where": "megascale_jax/x.py:3 (f)"}}
+    assert gpu_trace.source_of("input_reduce_fusion_31", sources) == sources["input_reduce_fusion.31"]
+    assert gpu_trace.source_of("loop_add_fusion", sources) == sources["loop_add_fusion"]
+    assert gpu_trace.source_of("input_reduce_fusion_32", sources) is None
+    kernels = [{"name": "a", "category": "other", "ms": 2.0, "source": sources["loop_add_fusion"]},
+               {"name": "b", "category": "other", "ms": 1.5},
+               {"name": "c", "category": "other", "ms": 0.5, "source": sources["loop_add_fusion"]},
+               {"name": "d", "category": "gemm", "ms": 9.0, "source": sources["loop_add_fusion"]}]
+    assert gpu_trace.other_by_source(kernels) == {"megascale_jax/x.py:3 (f)": 2.5, "unmapped": 1.5}
+
+
+def test_bench_train_reads_the_trainers_step_hlo_for_kernel_sources(tmp_path):
+    """The trainer, run as bench_train runs it with an XLA dump, leaves the step's optimized HLO, whose
+    fusions name this project's source lines (on the GPU the same names are the profile's kernels)."""
+    from benchmarks.bench_train import run_trainer, step_sources
+    overrides = {"train.steps": 2, "train.warmup_steps": 1, "train.eval_every": 0, "output.dir": str(tmp_path),
+                 "output.tensorboard": False}
+    logged = run_trainer("tiny_cpu", overrides, str(tmp_path), hlo_dump_dir=str(tmp_path / "xla"))
+    assert [r["step"] for r in logged][-1] == 2
+    sources = step_sources(str(tmp_path / "xla"))
+    wheres = {v["where"] for k, v in sources.items() if "fusion" in k and v["where"]}
+    assert any(w.startswith("megascale_jax/model/") for w in wheres), sorted(wheres)[:20]
+    with pytest.raises(FileNotFoundError, match="jit_step_fn"):
+        step_sources(str(tmp_path / "nothing"))
