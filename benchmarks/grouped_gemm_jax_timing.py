@@ -120,13 +120,11 @@ def jax_impls(m, k, n, g, args):
             pp = GemmTiling(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=depth, schedule="pingpong")
             tun = dataclasses.replace(base, fwd=pp, dgrad=pp)
             impls[label] = functools.partial(_with_tuning, interpret=interp, tuning=tun)
-    # the ping-pong input gradient's work order in wider bands of row tiles (default 8). The suspect (not
-    # measured) for its 9% loss on DeepSeek-V3 EP8 on an H100: bands of 8 (1024 rows) walk a 2048-row group's
-    # 29 MB weight twice, a band of 16 once (grouped_gemm_dsv3_schedules_h100.json)
-    if base.dgrad.schedule == "pingpong":
-        for band in (16, 32):
-            banded = dataclasses.replace(base, dgrad=dataclasses.replace(base.dgrad, grid_tile_width=band))
-            impls[f"ours_dgrad_band{band}"] = functools.partial(_with_tuning, interpret=interp, tuning=banded)
+    # the H200's default tiles where this device's differ (pallas_kernels/_default_tuning.py's wide-output
+    # ping-pong rule): on an H100, DeepSeek-V3 EP8's ping-pong input gradient, timed beside the cooperative default
+    h200 = default_tuning(m, k, n, g, device_kind="NVIDIA H200")
+    if h200 != base:
+        impls["ours_h200_tuning"] = functools.partial(_with_tuning, interpret=interp, tuning=h200)
     # the weight gradient's ping-pong schedule (128 x 128 tiles of dw per warpgroup) on the default tuning
     if k % PINGPONG_TILING.tile_m == 0 and n % PINGPONG_TILING.tile_n == 0:
         impls["ours_pingpong_wgrad"] = functools.partial(

@@ -9,10 +9,12 @@ import dataclasses
 from pallas_kernels._grouped_tiles import GemmTiling, GroupedGemmTuning, fit_tiling, fit_wgrad_tiling
 
 __all__ = ["default_tuning", "default_kernel_tuning", "SMALL_GROUP_ROWS", "PINGPONG_MAX_REDUCTION",
+           "PINGPONG_WIDE_OUTPUT", "PINGPONG_WIDE_OUTPUT_DEVICES",
            "PINGPONG_WGRAD_MAX_ROWS", "PINGPONG_WGRAD_MAX_ROWS_NARROW", "NARROW_HIDDEN", "PINGPONG_TILING"]
 
 
-def default_tuning(m: int, k: int, n: int, num_groups: int, pingpong: bool = True) -> GroupedGemmTuning:
+def default_tuning(m: int, k: int, n: int, num_groups: int, pingpong: bool = True,
+                   device_kind: str | None = None) -> GroupedGemmTuning:
     """Defaults by shape: the widest CTA tile that divides the output (forward writes N columns, dgrad
     K columns, wgrad K x N), with the forward's pipelines chained across work items. Measured
     on the H200, each against the alternatives in one run (benchmarks/results/grouped_gemm_sweep_h200.json,
@@ -31,14 +33,17 @@ def default_tuning(m: int, k: int, n: int, num_groups: int, pingpong: bool = Tru
         CTAs instead (`_rows_for_small_groups`);
       * short reductions (<= PINGPONG_MAX_REDUCTION) take the ping-pong schedule (`_pingpong_for_short_reductions`),
         and so does the weight gradient of small groups (`_pingpong_wgrad_for_small_groups`).
-    `pingpong=False` keeps the cooperative schedule everywhere: the fused exchange kernels, whose hooks need it."""
+    `pingpong=False` keeps the cooperative schedule everywhere: the fused exchange kernels, whose hooks need it.
+    `device_kind` (jax's `device_kind`; None: the default device's) matters only to `_pingpong_for_short_reductions`."""
+    device_kind = current_device_kind() if device_kind is None else device_kind
     rows_per_group = m / max(num_groups, 1)
     fwd = _long_reduction_steps(fit_tiling(GemmTiling(chain_items=True), n, "N"), reduction=k, out_cols=n)
     dgrad = _long_reduction_steps(fit_tiling(GemmTiling(), k, "K"), reduction=n, out_cols=k)
     wgrad = _chained_wgrad_where_measured(fit_wgrad_tiling(GemmTiling(), k, n))
     fwd, dgrad = _rows_for_small_groups(fwd, n, rows_per_group), _rows_for_small_groups(dgrad, k, rows_per_group)
     if pingpong:
-        fwd, dgrad = _pingpong_for_short_reductions(fwd, k, n), _pingpong_for_short_reductions(dgrad, n, k)
+        fwd = _pingpong_for_short_reductions(fwd, k, n, device_kind)
+        dgrad = _pingpong_for_short_reductions(dgrad, n, k, device_kind)
         wgrad = _pingpong_wgrad_for_small_groups(wgrad, k, n, rows_per_group)
     return GroupedGemmTuning(fwd=fwd, dgrad=dgrad, wgrad=wgrad)
 
@@ -52,6 +57,16 @@ def default_tuning(m: int, k: int, n: int, num_groups: int, pingpong: bool = Tru
 # 128 x 256 CTA): forward Mixtral (K 4096) 626 vs 663, DeepSeek-V3 (K 7168) 644 vs 661, 8x22B (K 6144) 658
 # vs 674; Mixtral's input gradient (reduction 14336) within 1.3%.
 PINGPONG_MAX_REDUCTION = 2048
+# Output width matters on the H100 (989 TFLOP/s over 3.35 TB/s of HBM against the H200's 4.8): DeepSeek-V3 EP8's
+# input gradient (reduction 2048, 7168 output columns), fwd+bwd of the table's four routings, in one run each
+# card: H200 ping-pong +0.3..1.6% (grouped_gemm_table_abba_h200.json); H100 cooperative 668 / 634 / 654 / 623
+# vs ping-pong 612 / 586 / 596 / 579 TFLOP/s, torch 661 / 615 / 652 / 627, and wider ping-pong bands of 16 / 32
+# row tiles did not recover it (600 / 572 / 585 / 574, 585 / 546 / 587 / 574; grouped_gemm_dsv3_bands_h100.json).
+# The narrow fine-grained shapes keep ping-pong on the H100 (DeepSeekMoE EP8, 2048 columns: 620.9 vs 601.9,
+# grouped_gemm_dsv3_schedules_h100.json). So an output wider than PINGPONG_WIDE_OUTPUT takes ping-pong only on
+# the cards named in PINGPONG_WIDE_OUTPUT_DEVICES; other cards (untimed ones too) keep the cooperative tiles.
+PINGPONG_WIDE_OUTPUT = 4096
+PINGPONG_WIDE_OUTPUT_DEVICES = ("H200",)
 PINGPONG_TILING = GemmTiling(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=6, schedule="pingpong")
 
 
@@ -96,11 +111,18 @@ def _pingpong_wgrad_for_small_groups(cfg: GemmTiling, k: int, n: int, rows_per_g
     return cfg
 
 
-def _pingpong_for_short_reductions(cfg: GemmTiling, reduction: int, out_cols: int) -> GemmTiling:
+def current_device_kind() -> str:
+    import jax
+    return jax.devices()[0].device_kind
+
+
+def _pingpong_for_short_reductions(cfg: GemmTiling, reduction: int, out_cols: int, device_kind: str) -> GemmTiling:
     """The ping-pong tiles for a forward / input gradient whose reduction is <= PINGPONG_MAX_REDUCTION and whose
-    output width is a multiple of 128; else `cfg` unchanged."""
+    output width is a multiple of 128 (and <= PINGPONG_WIDE_OUTPUT but on PINGPONG_WIDE_OUTPUT_DEVICES); else
+    `cfg` unchanged."""
+    wide_ok = out_cols <= PINGPONG_WIDE_OUTPUT or any(d in device_kind for d in PINGPONG_WIDE_OUTPUT_DEVICES)
     if reduction <= PINGPONG_MAX_REDUCTION and out_cols % PINGPONG_TILING.tile_n == 0 \
-            and reduction % PINGPONG_TILING.tile_k == 0:
+            and reduction % PINGPONG_TILING.tile_k == 0 and wide_ok:
         return PINGPONG_TILING
     return cfg
 
@@ -130,14 +152,15 @@ def _long_reduction_steps(cfg: GemmTiling, reduction: int, out_cols: int) -> Gem
 
 
 def default_kernel_tuning(kernel: str, k: int, n: int, m: int | None = None,
-                          num_groups: int | None = None) -> GroupedGemmTuning:
+                          num_groups: int | None = None, device_kind: str | None = None) -> GroupedGemmTuning:
     """`default_tuning`'s tiles for `kernel` ('dgrad' or 'wgrad') called on its own, so that the other
     kernels' alignment rules do not reject shapes this one takes (dgrad alone needs only K to fit)."""
     if kernel == "dgrad":
         fit = _long_reduction_steps(fit_tiling(GemmTiling(), k, "K"), reduction=n, out_cols=k)
         if m is not None and num_groups:
             fit = _rows_for_small_groups(fit, k, m / num_groups)
-        fit = _pingpong_for_short_reductions(fit, reduction=n, out_cols=k)
+        fit = _pingpong_for_short_reductions(fit, reduction=n, out_cols=k,
+                                             device_kind=current_device_kind() if device_kind is None else device_kind)
     else:
         fit = _chained_wgrad_where_measured(fit_wgrad_tiling(GemmTiling(), k, n))
         if m is not None and num_groups:

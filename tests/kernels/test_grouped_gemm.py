@@ -328,17 +328,26 @@ def test_default_tuning_takes_128_wide_k_steps_for_long_reductions(k, n, fwd_k, 
     assert default_tuning(8192, k, n, 8).dgrad == default_kernel_tuning("dgrad", k, n, 8192, 8).dgrad
 
 
-@pytest.mark.parametrize("k, n, fwd, dgrad", [
-    (4096, 14336, "cooperative", "cooperative"),   # Mixtral gate/up: reductions 4096 / 14336
-    (14336, 4096, "cooperative", "cooperative"),   # Mixtral down
-    (7168, 2048, "cooperative", "pingpong"),       # DeepSeek-V3: the input gradient reduces over 2048
-    (2048, 768, "pingpong", "pingpong"),           # Qwen3-30B-A3B
-    (2048, 1408, "pingpong", "pingpong"),          # DeepSeekMoE
-    (2048, 704, "cooperative", "pingpong"),        # DeepSeekMoE over TP 2: 704 output columns, no multiple of 128
+H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("k, n, device, fwd, dgrad", [
+    (4096, 14336, H200, "cooperative", "cooperative"),   # Mixtral gate/up: reductions 4096 / 14336
+    (14336, 4096, H200, "cooperative", "cooperative"),   # Mixtral down
+    (7168, 2048, H200, "cooperative", "pingpong"),       # DeepSeek-V3: the input gradient reduces over 2048 ...
+    (7168, 2048, H100, "cooperative", "cooperative"),    # ... into 7168 columns: ping-pong only on the H200
+    (2048, 7168, H200, "pingpong", "cooperative"),       # DeepSeek-V3 down: the forward likewise
+    (2048, 7168, H100, "cooperative", "cooperative"),
+    (7168, 2048, "cpu", "cooperative", "cooperative"),   # an untimed device: the wide output stays cooperative
+    (2048, 768, H200, "pingpong", "pingpong"),           # Qwen3-30B-A3B
+    (2048, 1408, H200, "pingpong", "pingpong"),          # DeepSeekMoE
+    (2048, 1408, H100, "pingpong", "pingpong"),          # narrow outputs: ping-pong on every card
+    (2048, 704, H200, "cooperative", "pingpong"),        # DeepSeekMoE over TP 2: 704 output columns, no multiple of 128
 ])
-def test_default_tuning_takes_pingpong_for_short_reductions(k, n, fwd, dgrad):
-    t = default_tuning(8192, k, n, 8)
+def test_default_tuning_takes_pingpong_for_short_reductions(k, n, device, fwd, dgrad):
+    t = default_tuning(8192, k, n, 8, device_kind=device)
     assert (t.fwd.schedule, t.dgrad.schedule) == (fwd, dgrad)
+    assert default_kernel_tuning("dgrad", k, n, 8192, 8, device_kind=device).dgrad == t.dgrad
     coop = default_tuning(8192, k, n, 8, pingpong=False)
     assert coop.fwd.schedule == coop.dgrad.schedule == "cooperative"
     for cfg, cols in ((t.fwd, n), (t.dgrad, k)):
