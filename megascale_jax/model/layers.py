@@ -116,57 +116,25 @@ def output_logits(equation: str, x_BSD, w):
 
 def cross_entropy(logits_BSV, targets_BS):
     """Mean token cross-entropy in float32 over the tokens given (this device's, when per device)."""
-    return jnp.mean(token_cross_entropy(logits_BSV, targets_BS))
-
-
-@jax.custom_vjp
-def token_cross_entropy(logits_BSV, targets_BS):
-    """Per-token cross-entropy [B, S] in float32, logits in any float dtype. The forward reads the logits once:
-    one variadic reduction carries the running max, the sum of exponentials scaled to it, and the target's
-    logit (`_online_log_z_and_target`). Why: at DeepSeekMoE's vocabulary (102400) jax.nn.logsumexp's max pass
-    and exp-sum pass were 2.2 + 2.8 ms of a 200 ms deepseekmoe_small step on an H100, each a full read of the
-    6.7 GB bf16 logits (benchmarks/results/train_step_profile_deepseekmoe_small_1xh100.json). The backward is
-    the one elementwise pass autodiff also gives, softmax - one-hot, in the logits' dtype.
-    A target outside the vocabulary matches no column: its loss is NaN (as take_along_axis's fill), so the
-    step's non-finite check catches it instead of training on a silent zero. Plain twin: optax's
-    softmax_cross_entropy_with_integer_labels (tests/model/test_layers.py)."""
-    return _token_cross_entropy_fwd(logits_BSV, targets_BS)[0]
-
-
-def _online_log_z_and_target(logits_BSV, targets_BS):
-    """(log sum exp over V, the target's logit or NaN) in float32, from one reduction over V."""
-    x = logits_BSV.astype(jnp.float32)
-    num_classes = x.shape[-1]
-    hit = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == targets_BS[..., None]
-
-    def combine(a, b):   # (max, sum of exp(x - max), target logit) of two parts
-        (m1, s1, t1), (m2, s2, t2) = a, b
-        # exp(smaller max - larger max), 1 where the maxima are equal (both -inf included: no NaN from -inf + inf)
-        e = jnp.where(m1 == m2, 1.0, jnp.exp(-jnp.abs(m1 - m2)))
-        return jnp.maximum(m1, m2), jnp.where(m1 >= m2, s1 + s2 * e, s1 * e + s2), t1 + t2
-
-    m, s, target = lax.reduce((x, jnp.ones_like(x), jnp.where(hit, x, 0.0)),
-                              (jnp.float32(-jnp.inf), jnp.float32(0), jnp.float32(0)), combine, (x.ndim - 1,))
+    logits = logits_BSV.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    # The target's logit by a one-hot mask, not take_along_axis: the same value (one term, exact), but its
+    # gradient is elementwise, so the logits gradient (softmax - one-hot) can be one pass fused with the cast
+    # to the GEMM's dtype. take_along_axis's transpose was a scatter into the f32 [B, S, V] gradient, then a
+    # separate cast pass: 6.3 ms of a mixtral_small step on the H200 (train_step_profile_mixtral_small_1xh200
+    # .json, loop_multiply_fusion + wrapped_convert.4). After the change the HLO has no scatter there and the
+    # step's non-GEMM time fell 82.8 -> 79.7 ms (the same file's after_cross_entropy_mask).
+    # A one-pass forward (one variadic reduction carrying the running max, the scaled exp-sum and the target
+    # logit) was tried and measured slower: 6.1 vs 5.0 ms of the deepseekmoe_small step on an H100, the same
+    # alone (4.67 vs 4.71 ms; benchmarks/results/cross_entropy_1xh100.json): the exp-sum pass is bound by the
+    # exponentials, not by its read of the logits, and the variadic combiner adds work per element.
+    # A target outside the vocabulary matches no column: its logit is NaN (as take_along_axis's fill), so the
+    # loss is NaN and the step's non-finite check catches it instead of training on a silent zero.
+    num_classes = logits.shape[-1]
+    vocab_V = lax.broadcasted_iota(jnp.int32, (num_classes,), 0)
+    target_logit = jnp.sum(jnp.where(vocab_V == targets_BS[..., None], logits, 0.0), axis=-1)
     in_vocab = (targets_BS >= 0) & (targets_BS < num_classes)
-    return m + jnp.log(s), jnp.where(in_vocab, target, jnp.nan)
-
-
-def _token_cross_entropy_fwd(logits_BSV, targets_BS):
-    log_z, target = _online_log_z_and_target(logits_BSV, targets_BS)
-    return log_z - target, (logits_BSV, targets_BS, log_z)
-
-
-def _token_cross_entropy_bwd(residuals, g_BS):
-    # d loss / d logits = g (softmax - one-hot): elementwise (no scatter), so XLA fuses it with the cast to the
-    # logits' dtype into one pass. A target outside the vocabulary has no one-hot column (its loss is NaN anyway).
-    logits_BSV, targets_BS, log_z = residuals
-    x = logits_BSV.astype(jnp.float32)
-    hit = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == targets_BS[..., None]
-    d = (jnp.exp(x - log_z[..., None]) - hit.astype(jnp.float32)) * g_BS[..., None]
-    return d.astype(logits_BSV.dtype), None
-
-
-token_cross_entropy.defvjp(_token_cross_entropy_fwd, _token_cross_entropy_bwd)
+    return jnp.mean(log_z - jnp.where(in_vocab, target_logit, jnp.nan))
 
 
 class DenseMLP(nnx.Module):
