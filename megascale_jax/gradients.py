@@ -3,6 +3,8 @@
     autodiff     jax.value_and_grad of the model's loss (embed -> blocks -> head_loss);
     accumulate   the same over M microbatches in a `lax.scan` with an FP32 accumulator: one optimizer
                  update per step whatever M is, activation memory of one microbatch;
+    on_compute_copies(source, dtype)   either of the above given the GEMM weights already in the compute
+                 dtype, cast once per step: their gradients come back in that dtype;
     pipeline     the microbatches through parallel/pipeline.py's schedule (GPipe / 1F1B / interleaved), its
                  stages calling the model's own embed / scanned block / head_loss on their parts of the state.
 
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from megascale_jax.model.transformer import scan_body
+from megascale_jax.model.transformer import cast_gemm_weights, scan_body
 from megascale_jax.parallel.collectives import vary_like, varying_axes
 from megascale_jax.parallel.pipeline import PipelineParams, pipeline_local_value_and_grad
 from megascale_jax.parallel.pipeline_schedules import StageLayout
@@ -58,6 +60,19 @@ def autodiff(loss_fn, *, per_device: bool) -> GradientSource:
     return source
 
 
+def on_compute_copies(source: GradientSource, compute_dtype) -> GradientSource:
+    """`source` differentiated w.r.t. the GEMM weights' compute-dtype copies (model/transformer.GEMM_WEIGHTS), cast
+    here once per step (not once per microbatch, inside the loss). The model casts those weights to the compute
+    dtype before every GEMM anyway, so their gradients are the same values, the bf16 GEMMs' own outputs, without
+    the conversion to float32 that the cast's transpose would add, and at half the bytes for every pass after it:
+    the unrolled layer stack's concatenation, the non-finite check, the global norm and AdamW's read (the
+    updaters and `accumulate` sum and update in float32). For the pipeline the plain float32 path stays: its
+    schedule accumulates microbatch gradients in the parameters' dtype."""
+    def wrapped(params, batch):
+        return source(cast_gemm_weights(params, compute_dtype), batch)
+    return wrapped
+
+
 def split_microbatches(batch, num_microbatches: int):
     """{'inputs', 'targets'} [B, S] -> [M, B/M, S], microbatch m = rows m, m + M, ..."""
     def one(x_BS):
@@ -82,16 +97,20 @@ def accumulate(single: GradientSource, num_microbatches: int, *, per_device: boo
         zero_rest = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32 if _is_float(a) else a.dtype),
                                  (abstract[0], abstract[1]))
 
+        scale = 1.0 / num_microbatches
+
         def body(acc, microbatch):
             loss, metrics, grads = single(params, microbatch)
             acc_rest, acc_grads = acc
             rest = jax.tree.map(lambda a, v: a + v.astype(a.dtype), acc_rest, (loss, metrics))
-            return (rest, jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)), None
+            # the mean's 1/M inside the accumulating pass: a separate scaling pass over every gradient after
+            # the loop was 2.9 ms of a 4-microbatch deepseekmoe_small step on an H100 (results_one_pass_ce_acc4
+            # in benchmarks/results/train_step_profile_deepseekmoe_small_1xh100.json); exact for M a power of 2
+            return (rest, jax.tree.map(lambda a, g: a + g.astype(jnp.float32) * scale, acc_grads, grads)), None
 
         ((loss, metrics), grads), _ = lax.scan(body, (zero_rest, zero_grads), microbatches)
-        scale = 1.0 / num_microbatches
         metrics = {k: v if k in SUMMED_METRICS else v * scale for k, v in metrics.items()}
-        return loss * scale, metrics, jax.tree.map(lambda g: g * scale, grads)
+        return loss * scale, metrics, grads
     return source
 
 

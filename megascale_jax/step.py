@@ -2,7 +2,8 @@
 
     step = updater(gradient_source(params, batch))
 
-  gradient source  autodiff | accumulate(train.microbatches) | pipeline(parallel.pipeline_schedule)
+  gradient source  autodiff | accumulate(train.microbatches), on the GEMM weights' compute-dtype copies
+                   | pipeline(parallel.pipeline_schedule)
   updater          replicated(grad_comm): reduce the gradient over 'data' (fp32 all-reduce, or bf16 / fp8
                        all-to-all + local fp32 sum + all-gather), clip by the global norm, AdamW on each
                        device's own shards of the parameters and optimizer state;
@@ -271,7 +272,8 @@ def gradient_source(trainer: Trainer) -> gradients.GradientSource:
                                   schedule=p.pipeline_schedule, num_microbatches=cfg.train.microbatches,
                                   virtual_stages=p.virtual_stages, layers_over_pipe=plan.layers_over_pipe)
     single = gradients.autodiff(gradients.model_loss(trainer.graphdef, trainer.layout), per_device=plan.per_device)
-    return gradients.accumulate(single, cfg.train.microbatches, per_device=plan.per_device)
+    return gradients.on_compute_copies(gradients.accumulate(single, cfg.train.microbatches, per_device=plan.per_device),
+                                       DTYPES[cfg.train.compute_dtype])
 
 
 def _expert_load(metrics):

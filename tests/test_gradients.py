@@ -76,3 +76,59 @@ def test_four_microbatches_equal_the_whole_batch(plan):
         assert np.mean(diff <= 1e-5 * np.abs(want) + 1e-2 * lr) >= 0.999 and diff.max() <= 2 * lr
         moved += int(np.any(np.asarray(want) != np.asarray(before)))
     assert moved > 0   # the update really changed the parameters
+
+
+EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_gradients_on_the_gemm_weights_compute_copies_equal_the_float32_parameters_gradients(plan):
+    """bf16 compute, 2 microbatches: the step's source differentiates w.r.t. the GEMM weights' bf16 copies. The
+    XLA dots' weights and every uncast leaf get the plain float32 source's gradients bit for bit (the model casts
+    those weights before each GEMM: both are the same bf16 GEMM outputs, summed in float32). The expert weights
+    here run lax.ragged_dot (the CPU's grouped GEMM), whose transpose for a float32 operand rounds less: theirs
+    agree to bf16 rounding (on the GPU the Pallas kernel's weight gradient is bf16 either way)."""
+    from megascale_jax import gradients
+    from megascale_jax.model.transformer import GEMM_WEIGHTS
+
+    cfg = default_config("tiny_cpu", num_devices=8, **{**COMMON, **PLANS[plan], "train.compute_dtype": "bfloat16",
+                                                      "train.microbatches": 2})
+    trainer = step.build(cfg)
+    state, batch = step.create_state(trainer), _batch(trainer)
+    _, _, ours = _loss_and_grads(trainer, state, batch)
+    plain = gradients.accumulate(gradients.autodiff(gradients.model_loss(trainer.graphdef, trainer.layout),
+                                                    per_device=trainer.plan.per_device),
+                                 cfg.train.microbatches, per_device=trainer.plan.per_device)
+    original = step.gradient_source
+    try:
+        step.gradient_source = lambda _: plain
+        _, _, want = _loss_and_grads(trainer, state, batch)
+    finally:
+        step.gradient_source = original
+    exact = 0
+    for (path, got), w in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(want)):
+        name, got, w = jax.tree_util.keystr(path), np.asarray(got), np.asarray(w)
+        assert got.dtype == w.dtype == np.float32, name     # 2 microbatches: float32 sums
+        scale = float(np.abs(w).max())
+        assert scale > 0, name
+        if any(e in name for e in EXPERT_WEIGHTS):
+            np.testing.assert_allclose(got, w, atol=2 ** -8 * scale, err_msg=name)
+        else:
+            np.testing.assert_array_equal(got, w, err_msg=name)
+            exact += any(n in name for n in GEMM_WEIGHTS)
+    assert exact >= 5   # attention (4), the shared expert (3), the head
+
+
+def test_the_gemm_weights_are_cast_and_nothing_else():
+    import jax.numpy as jnp
+
+    from megascale_jax.model.transformer import cast_gemm_weights
+
+    cfg = default_config("tiny_cpu", num_devices=8, **COMMON)
+    params = step.create_state(step.build(cfg))["params"]
+    cast = cast_gemm_weights(params, jnp.bfloat16)
+    names = {jax.tree_util.keystr(p): x.dtype for p, x in jax.tree_util.tree_leaves_with_path(cast)}
+    bf16 = sorted(n.split("'")[-2] for n, d in names.items() if d == jnp.bfloat16)
+    assert bf16 == sorted(["head_DV", "wq_DHK", "wk_DGK", "wv_DGK", "wo_HKD", "w_gate_EDF", "w_up_EDF", "w_down_EFD",
+                           "w_gate_DF", "w_up_DF", "w_down_FD"]), bf16
+    assert all(d == jnp.float32 for n, d in names.items() if any(k in n for k in ("table_VD", "router", "scale")))

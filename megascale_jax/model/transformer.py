@@ -49,6 +49,23 @@ class Remat(StrEnum):
     SELECTIVE = "selective"
 
 
+# The weights the model reads only as GEMM operands cast to the compute dtype (`w.astype(x.dtype)`): attention
+# projections, dense and expert FFN matrices, the untied head. Not the router (float32 logits), norms' scales,
+# biases, the shared-expert gate, or the embedding table (a gather whose gradient is a scatter-add, which in
+# bf16 would lose frequent tokens' small updates). megascale_jax/gradients.py differentiates w.r.t. their
+# compute-dtype copies (`cast_gemm_weights`).
+GEMM_WEIGHTS = frozenset({"wq_DHK", "wk_DGK", "wv_DGK", "wo_HKD", "w_gate_EDF", "w_up_EDF", "w_down_EFD",
+                          "w_gate_DF", "w_up_DF", "w_down_FD", "head_DV"})
+
+
+def cast_gemm_weights(params, dtype):
+    """The parameter state with the GEMM_WEIGHTS leaves cast to `dtype`, the rest as they are."""
+    def cast(path, leaf):
+        names = [getattr(k, "key", None) for k in path]
+        return leaf.astype(dtype) if GEMM_WEIGHTS.intersection(n for n in names if isinstance(n, str)) else leaf
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 CUDNN_ATTENTION_FWD = "dot_product_attention_fwd"   # jax's cuDNN flash-attention forward primitive(s)
 
 
