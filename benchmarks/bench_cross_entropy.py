@@ -1,5 +1,5 @@
-"""The loss head's cross-entropy on the GPU: the model's (model/layers.cross_entropy: jax.nn.logsumexp + the
-one-hot target logit, autodiff) against a one-pass forward (one variadic reduction; tried for the model and
+"""The loss head's cross-entropy on the GPU: the model's XLA form (model/layers.cross_entropy: jax.nn.logsumexp +
+the one-hot target logit, autodiff) and its Pallas kernel (pallas_kernels/cross_entropy.py) against a one-pass forward (one variadic reduction; tried for the model and
 measured slower) and optax's integer-label cross-entropy, forward and forward + backward (the gradient w.r.t.
 the bf16 logits, as in the train step), timed round by round in one process (benchmarks/loop_timing.time_rounds).
 
@@ -22,7 +22,7 @@ from jax import lax
 
 from benchmarks.environment import environment
 from benchmarks.loop_timing import time_rounds
-from megascale_jax.model.layers import cross_entropy
+from megascale_jax.model.layers import cross_entropy, pallas_cross_entropy
 
 SHAPES = {"deepseekmoe_small": (8, 4096, 102400), "mixtral_small": (16, 4096, 32000)}
 
@@ -73,7 +73,13 @@ def optax_cross_entropy(logits_BSV, targets_BS):
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits_BSV.astype(jnp.float32), targets_BS))
 
 
-VARIANTS = {"model": cross_entropy, "one_pass": one_pass_cross_entropy, "optax": optax_cross_entropy}
+def model_cross_entropy(logits_BSV, targets_BS):
+    """kernels.cross_entropy='xla': the model's form on the float32 view of the bf16 logits, as the head gives them."""
+    return cross_entropy(logits_BSV.astype(jnp.float32), targets_BS)
+
+
+VARIANTS = {"model": model_cross_entropy, "pallas": pallas_cross_entropy, "one_pass": one_pass_cross_entropy,
+            "optax": optax_cross_entropy}
 
 
 def bench_shape(name: str, shape, loops: int) -> dict:

@@ -87,6 +87,7 @@ class KernelConfig:
     attention: str
     swiglu: str
     grouped_gemm_tail: str
+    cross_entropy: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from enum import StrEnum
 from configs import plans as plan_recipes
 from megascale_jax import data as data_lib
 from megascale_jax.model.attention import AttentionImpl, AttentionKind
-from megascale_jax.model.layers import TiedHeadScale
+from megascale_jax.model.layers import CrossEntropyImpl, TiedHeadScale
 from megascale_jax.model.moe.experts import GroupedGemmImpl, GroupedGemmTail, SwigluImpl
 from megascale_jax.model.moe.router import RouterKind
 from megascale_jax.model.transformer import Remat
@@ -48,6 +48,7 @@ CHOICES = {
     "parallel.moe_layer": _values(MoELayer), "model.tied_head_scale": _values(TiedHeadScale),
     "kernels.grouped_gemm": _values(GroupedGemmImpl), "kernels.attention": _values(AttentionImpl),
     "kernels.swiglu": _values(SwigluImpl), "kernels.grouped_gemm_tail": _values(GroupedGemmTail),
+    "kernels.cross_entropy": _values(CrossEntropyImpl),
     "parallel.attention_exchange": _values(AttentionExchange),
     "parallel.dispatch_exchange": _values(DispatchExchange),
     "model.attention_kind": _values(AttentionKind), "model.moe.router_kind": _values(RouterKind),

@@ -33,6 +33,7 @@ from megascale_jax import gradients
 from megascale_jax.config import Config, DType
 from megascale_jax.config_checks import ConfigError
 from megascale_jax.model.attention import resolve_attention_impl
+from megascale_jax.model.layers import resolve_cross_entropy
 from megascale_jax.model.moe.experts import resolve_grouped_gemm, resolve_grouped_gemm_tail, resolve_swiglu
 from megascale_jax.model.transformer import Kernels, Transformer
 from megascale_jax.optim import NonFinite, clip_by_norm, flat_decay_mask, learning_rate_schedule, \
@@ -66,10 +67,12 @@ def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
                                 macro_layer=cfg.parallel.moe_layer == MoELayer.MACRO)
         tail = resolve_grouped_gemm_tail(cfg.kernels.grouped_gemm_tail, grouped_gemm=grouped_gemm,
                                          expert_parallel=expert_parallel)
+        cross_entropy = resolve_cross_entropy(cfg.kernels.cross_entropy, backend=backend,
+                                              partitioned_by_xla=plan.kind != PlanKind.MANUAL and jax.device_count() > 1)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return Kernels(attention=resolve_attention_impl(cfg.kernels.attention, backend=backend, compute_dtype=compute),
-                   grouped_gemm=grouped_gemm, grouped_gemm_tail=tail, swiglu=swiglu)
+                   grouped_gemm=grouped_gemm, grouped_gemm_tail=tail, swiglu=swiglu, cross_entropy=cross_entropy)
 
 
 def check_attention_exchange(cfg: Config) -> None:

@@ -4,13 +4,18 @@ import pytest
 from benchmarks import bench_cross_entropy
 
 
-def test_every_cross_entropy_variant_is_timed_and_agrees_on_the_loss():
+def test_every_cross_entropy_variant_is_timed_and_agrees_on_the_loss(monkeypatch):
+    import functools
+
+    from megascale_jax.model.layers import pallas_cross_entropy
+    monkeypatch.setitem(bench_cross_entropy.VARIANTS, "pallas", functools.partial(pallas_cross_entropy, interpret=True))
     row = bench_cross_entropy.bench_shape("tiny", (2, 8, 512), loops=2)
     assert row["errors"] == {}
     assert set(row["ms"]) == {f"{v}/{p}" for v in bench_cross_entropy.VARIANTS for p in ("fwd", "fwd+bwd")} | {"copy"}
     losses = row["losses"]
     assert losses["one_pass"] == pytest.approx(losses["optax"], rel=1e-6)
     assert losses["model"] == pytest.approx(losses["optax"], rel=1e-6)
+    assert losses["pallas"] == pytest.approx(losses["optax"], rel=1e-6)
     assert row["elementwise_pass_gbps"] > 0
 
 

@@ -95,23 +95,52 @@ class Embedding(nnx.Module):
     def __call__(self, tokens_BS, dtype):
         return jnp.take(self.table_VD[...], tokens_BS, axis=0).astype(dtype)
 
-    def attend(self, x_BSD):
+    def attend(self, x_BSD, dtype=jnp.float32):
         """Tied output head: logits against the embedding table (see `output_logits`), scaled by 1/sqrt(dim).
         Why: the table is initialised with std 1 (right for inputs), so the unscaled product of a unit-RMS
         hidden state with it has logits of std sqrt(dim): a first loss of ~28 nats at dim 128, vocab 256.
         TiedHeadScale.NONE leaves it out, as Hugging Face's tied models expect."""
         if self.tied_head_scale == TiedHeadScale.RSQRT_HIDDEN:
             x_BSD = x_BSD * jnp.asarray(x_BSD.shape[-1] ** -0.5, x_BSD.dtype)
-        return output_logits("bsd,vd->bsv", x_BSD, self.table_VD[...])
+        return output_logits("bsd,vd->bsv", x_BSD, self.table_VD[...], dtype)
 
 
-def output_logits(equation: str, x_BSD, w):
+def output_logits(equation: str, x_BSD, w, dtype=jnp.float32):
     """Output-layer logits as float32 for the loss, from a GEMM in the compute dtype (fp32 accumulation,
     output rounded to the compute dtype, as Megatron does). Why not a float32 GEMM output: its cotangent is
     float32, so both backward GEMMs would run in float32, which XLA lowers to TF32 GEMMs at half the bf16
     rate; the 2-H200 profiles (benchmarks/results/plans_2xh200.json) showed them as the largest kernels
-    after the expert GEMMs (DeepSeek-like: 17-22 ms of a 100-120 ms step)."""
-    return jnp.einsum(equation, x_BSD, w.astype(x_BSD.dtype)).astype(jnp.float32)
+    after the expert GEMMs (DeepSeek-like: 17-22 ms of a 100-120 ms step). `dtype=None` leaves them in the
+    compute dtype (for the Pallas cross-entropy, which reads the bf16 logits itself)."""
+    logits = jnp.einsum(equation, x_BSD, w.astype(x_BSD.dtype))
+    return logits if dtype is None else logits.astype(dtype)
+
+
+class CrossEntropyImpl(StrEnum):
+    XLA = "xla"         # `cross_entropy` below (logsumexp + one-hot target logit, autodiff), any backend
+    PALLAS = "pallas"   # pallas_kernels/cross_entropy.py: one read forward, one pass backward (GPU, per device)
+    AUTO = "auto"       # resolved at build time (`resolve_cross_entropy`)
+
+
+def resolve_cross_entropy(choice: str, *, backend: str, partitioned_by_xla: bool) -> str:
+    """`auto` -> 'pallas' on GPU where each device runs its own program (one device, or the manual plans'
+    shard_map), else 'xla'. Under the XLA plan on several devices the compiler partitions the step and a
+    custom kernel would be gathered whole: 'pallas' there, or off the GPU, is an error."""
+    if choice == CrossEntropyImpl.AUTO:
+        return (CrossEntropyImpl.PALLAS if backend == "gpu" and not partitioned_by_xla else CrossEntropyImpl.XLA).value
+    if choice == CrossEntropyImpl.PALLAS and (backend != "gpu" or partitioned_by_xla):
+        where = f"backend {backend!r}" if backend != "gpu" else "the XLA plan on several devices"
+        raise ValueError(f"config.kernels.cross_entropy='pallas' is a per-device GPU kernel and this run has {where}; "
+                         f"use 'xla' or 'auto'")
+    return CrossEntropyImpl(choice).value
+
+
+def pallas_cross_entropy(logits_BSV, targets_BS, interpret: bool = False):
+    """`cross_entropy`'s value from pallas_kernels/cross_entropy.py, on logits in the compute dtype."""
+    from pallas_kernels.cross_entropy import cross_entropy_per_token
+
+    b, s, v = logits_BSV.shape
+    return jnp.mean(cross_entropy_per_token(logits_BSV.reshape(b * s, v), targets_BS.reshape(b * s), interpret))
 
 
 def cross_entropy(logits_BSV, targets_BS):

@@ -36,8 +36,8 @@ from typing import Callable, NamedTuple
 from jax.ad_checkpoint import checkpoint_name
 
 from megascale_jax.model.attention import ATTENTIONS, attention_core, project_out
-from megascale_jax.model.layers import (DenseMLP, Embedding, RMSNorm, cross_entropy, output_logits, param,
-                                        rms_norm, swiglu_in, swiglu_out)
+from megascale_jax.model.layers import (CrossEntropyImpl, DenseMLP, Embedding, RMSNorm, cross_entropy, output_logits,
+                                        pallas_cross_entropy, param, rms_norm, swiglu_in, swiglu_out)
 from megascale_jax.model.moe.experts import ExpertWeights, grouped_gemm_fn, grouped_gemm_grads
 from megascale_jax.model.moe.layer import MoEFFN, gate_shared_output
 from megascale_jax.model.moe.router import Routing, route, router_logits
@@ -99,6 +99,7 @@ class Kernels:
     grouped_gemm: str = "xla"     # model/moe/experts.py GroupedGemmImpl
     grouped_gemm_tail: str = "kernel"   # model/moe/experts.py GroupedGemmTail (pallas only)
     swiglu: str = "separate"      # model/moe/experts.py SwigluImpl
+    cross_entropy: str = "xla"    # model/layers.py CrossEntropyImpl
 
 
 class Block(nnx.Module):
@@ -261,6 +262,7 @@ class Transformer(nnx.Module):
         scan_unroll: layers per iteration of the scanned stacks (>= the layer count: no loop at all)."""
         m = cfg
         self.cfg, self.compute_dtype, self.remat, self.scan_unroll = m, compute_dtype, remat, scan_unroll
+        self.cross_entropy = kernels.cross_entropy
         self.embed_tokens = Embedding(m.vocab_size, m.hidden, param_dtype, rngs, m.tied_head_scale)
         self.dense_blocks = _stacked_blocks(m, m.num_dense_layers, False, param_dtype, kernels, rngs)
         self.moe_blocks = _stacked_blocks(m, m.num_moe_layers, True, param_dtype, kernels, rngs)
@@ -286,15 +288,17 @@ class Transformer(nnx.Module):
         body, state = scan_body(stack, layout, self.remat, unrolled=self.scan_unroll >= num_layers)
         return jax.lax.scan(body, x_BSD, state, unroll=min(self.scan_unroll, num_layers))
 
-    def logits(self, x_BSD):
-        """Final norm and output head -> float32 logits."""
+    def logits(self, x_BSD, dtype=jnp.float32):
+        """Final norm and output head -> logits in `dtype` (None: the compute dtype)."""
         x_BSD = self.final_norm(x_BSD)
         if self.cfg.tie_embeddings:
-            return self.embed_tokens.attend(x_BSD)
-        return output_logits("bsd,dv->bsv", x_BSD, self.head_DV[...])
+            return self.embed_tokens.attend(x_BSD, dtype)
+        return output_logits("bsd,dv->bsv", x_BSD, self.head_DV[...], dtype)
 
     def head_loss(self, x_BSD, targets_BS, layout):
         """Mean token cross-entropy over the whole batch (on every device)."""
+        if self.cross_entropy == CrossEntropyImpl.PALLAS:
+            return layout.reductions.token_mean(pallas_cross_entropy(self.logits(x_BSD, None), targets_BS))
         return layout.reductions.token_mean(cross_entropy(self.logits(x_BSD), targets_BS))
 
     def moe_loss(self, stats):

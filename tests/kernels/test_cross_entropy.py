@@ -1,0 +1,106 @@
+"""pallas_kernels/cross_entropy.py against its plain twin, the model's XLA cross-entropy (model/layers.py):
+values and bf16 logit gradients in interpret mode on the CPU (vocabularies below, at and across the column
+chunk, masked -inf columns, a whole chunk masked, a target outside the vocabulary), the same compiled on the
+GPU (`-m gpu`, MEGASCALE_TEST_GPU=1) at the configs' vocabularies, and the model's loss with either."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from megascale_jax.model.layers import (CrossEntropyImpl, cross_entropy, pallas_cross_entropy,
+                                        resolve_cross_entropy)
+from pallas_kernels.cross_entropy import CHUNK, cross_entropy_per_token
+
+
+def _case(tokens, vocab, seed=0, scale=8.0):
+    kl, kt = jax.random.split(jax.random.key(seed))
+    logits = (scale * jax.random.normal(kl, (1, tokens, vocab), jnp.float32)).astype(jnp.bfloat16)
+    return logits, jax.random.randint(kt, (1, tokens), 0, vocab)
+
+
+def _both(logits, targets, interpret):
+    def xla(x):
+        return cross_entropy(x.astype(jnp.float32), targets)
+
+    def ours(x):
+        return pallas_cross_entropy(x, targets, interpret=interpret)
+    return jax.value_and_grad(ours)(logits), jax.value_and_grad(xla)(logits)
+
+
+def _check(logits, targets, interpret=True):
+    (v, d), (v_want, d_want) = _both(logits, targets, interpret)
+    assert d.dtype == jnp.bfloat16
+    np.testing.assert_allclose(float(v), float(v_want), rtol=2e-6)
+    d, d_want = np.asarray(d, np.float32), np.asarray(d_want, np.float32)
+    # both round the same float32 gradient to bf16: at most one bf16 step apart (2^-8 relative)
+    np.testing.assert_allclose(d, d_want, rtol=2 ** -7, atol=1e-9)
+    assert np.all(np.isfinite(d))
+
+
+@pytest.mark.parametrize("vocab", [300, CHUNK, CHUNK + 1, 3 * CHUNK - 5])
+def test_interpret_matches_the_xla_cross_entropy(vocab):
+    _check(*_case(3, vocab))
+
+
+def test_interpret_masked_columns_and_a_whole_masked_chunk():
+    logits, targets = _case(4, 3 * CHUNK)
+    logits = logits.at[0, :, : CHUNK + 7].set(-jnp.inf)          # the first chunk and more: all -inf
+    targets = targets.at[0].set(CHUNK + 7 + targets[0] % 100)
+    logits = logits.at[0, 1, 2 * CHUNK:].set(-jnp.inf)
+    _check(logits, targets)
+
+
+def test_interpret_target_outside_the_vocabulary_is_nan():
+    logits, targets = _case(3, 500)
+    for bad in (500, -1):
+        loss = cross_entropy_per_token(logits[0], targets[0].at[1].set(bad), True)
+        assert np.isnan(float(loss[1])) and np.all(np.isfinite(np.asarray(loss)[[0, 2]]))
+
+
+def test_resolution_by_backend_and_plan():
+    assert resolve_cross_entropy("auto", backend="gpu", partitioned_by_xla=False) == CrossEntropyImpl.PALLAS
+    assert resolve_cross_entropy("auto", backend="gpu", partitioned_by_xla=True) == CrossEntropyImpl.XLA
+    assert resolve_cross_entropy("auto", backend="cpu", partitioned_by_xla=False) == CrossEntropyImpl.XLA
+    assert resolve_cross_entropy("xla", backend="gpu", partitioned_by_xla=False) == CrossEntropyImpl.XLA
+    with pytest.raises(ValueError, match="kernels.cross_entropy='pallas'.*backend 'cpu'"):
+        resolve_cross_entropy("pallas", backend="cpu", partitioned_by_xla=False)
+    with pytest.raises(ValueError, match="XLA plan on several devices"):
+        resolve_cross_entropy("pallas", backend="gpu", partitioned_by_xla=True)
+
+
+def test_the_models_loss_and_gradients_with_the_pallas_cross_entropy(monkeypatch):
+    """The tiny model in bf16 compute: kernels.cross_entropy 'pallas' (interpret mode) against 'xla', the loss
+    and every parameter's gradient."""
+    from flax import nnx
+
+    from megascale_jax import step
+    from megascale_jax.config import default_config
+    from megascale_jax.model import transformer
+    from megascale_jax.parallel.layouts import local_layout
+
+    monkeypatch.setattr(transformer, "pallas_cross_entropy", functools.partial(pallas_cross_entropy, interpret=True))
+    cfg = default_config("tiny_cpu", num_devices=8, **{"train.compute_dtype": "bfloat16"})
+    layout = local_layout(num_experts=cfg.model.moe.num_experts)
+    tokens = jax.random.randint(jax.random.key(3), (2, 33), 0, cfg.model.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    results = {}
+    for impl in ("xla", "pallas"):
+        model = step.new_model(cfg, transformer.Kernels(cross_entropy=impl))
+        graphdef, params = nnx.split(model)
+
+        def loss(p):
+            return nnx.merge(graphdef, p).loss(batch, layout)[0]
+        results[impl] = jax.value_and_grad(loss)(params)
+    (v, g), (v_want, g_want) = results["pallas"], results["xla"]
+    assert float(v) == pytest.approx(float(v_want), rel=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g_want)):
+        scale = float(np.abs(b).max())
+        np.testing.assert_allclose(a, b, atol=2e-2 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, vocab", [(512, 102400), (1024, 32000), (256, 151936)])
+def test_gpu_matches_the_xla_cross_entropy(tokens, vocab):
+    _check(*_case(tokens, vocab, scale=4.0), interpret=False)
