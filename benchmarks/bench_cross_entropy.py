@@ -82,18 +82,39 @@ VARIANTS = {"model": model_cross_entropy, "pallas": pallas_cross_entropy, "one_p
             "optax": optax_cross_entropy}
 
 
-def bench_shape(name: str, shape, loops: int) -> dict:
+def pallas_tiles(chunk: int, num_warps: int):
+    """The Pallas kernels at other tiles than their defaults (--sweep)."""
+    from pallas_kernels.cross_entropy import cross_entropy_per_token
+
+    def f(logits_BSV, targets_BS):
+        b, s, v = logits_BSV.shape
+        return jnp.mean(cross_entropy_per_token(logits_BSV.reshape(b * s, v), targets_BS.reshape(b * s), False,
+                                                chunk, num_warps))
+    return f
+
+
+SWEEP = [(1024, 4), (4096, 4), (2048, 8), (4096, 8)]   # (columns per step, warps); the default is 2048, 4
+
+
+def bench_shape(name: str, shape, loops: int, sweep: bool = False) -> dict:
     b, s, v = shape
     kl, kt = jax.random.split(jax.random.key(0))
     logits = (4 * jax.random.normal(kl, (b, s, v), jnp.float32)).astype(jnp.bfloat16)
     targets = jax.random.randint(kt, (b, s), 0, v)
-    fns = {}
-    for label, f in VARIANTS.items():
+    fns, variants = {}, dict(VARIANTS)
+    if sweep:
+        variants.update({f"pallas_c{c}_w{w}": pallas_tiles(c, w) for c, w in SWEEP})
+    for label, f in variants.items():
         fns[f"{label}/fwd"] = jax.jit(f)
         fns[f"{label}/fwd+bwd"] = jax.jit(jax.value_and_grad(f))
-    losses = {label: float(fns[f"{label}/fwd"](logits, targets)) for label in VARIANTS}
+    losses, errors = {}, {}
+    for label in variants:   # a variant that does not compile is recorded and left out of the timing
+        try:
+            losses[label] = float(fns[f"{label}/fwd"](logits, targets))
+        except Exception as err:  # noqa: BLE001
+            errors[label] = f"{type(err).__name__}: {str(err)[:400]}"
+            fns.pop(f"{label}/fwd"), fns.pop(f"{label}/fwd+bwd")
     copy = jax.jit(lambda x: x * jnp.bfloat16(2))   # one elementwise read + write of the logits
-    errors: dict = {}
     seconds = time_rounds([(k, f, (logits, targets)) for k, f in fns.items()] + [("copy", copy, (logits,))],
                           loops=loops, errors=errors)
     nbytes = logits.size * logits.dtype.itemsize
@@ -109,13 +130,14 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {sorted(SHAPES)}")
     ap.add_argument("--loops", type=int, default=6)
     ap.add_argument("--scale", type=int, default=1, help="divide the token count by this (CPU smoke runs)")
+    ap.add_argument("--sweep", action="store_true", help="also time the Pallas kernels at the SWEEP tiles")
     args = ap.parse_args()
     rows = []
     for name in args.shapes.split(","):
         if name not in SHAPES:
             raise SystemExit(f"--shapes: unknown shape {name!r}; choose from {sorted(SHAPES)}")
         b, s, v = SHAPES[name]
-        rows.append(bench_shape(name, (b, s // args.scale, v), args.loops))
+        rows.append(bench_shape(name, (b, s // args.scale, v), args.loops, args.sweep))
         print(json.dumps(rows[-1]), flush=True)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -69,43 +69,45 @@ def _row_spec(v):
 _SCALAR = pl.BlockSpec((None,), lambda t: (t,))
 
 
-def _forward(logits_TV, targets_T, interpret: bool):
+def _forward(logits_TV, targets_T, interpret: bool, chunk: int, num_warps: int):
     t, v = logits_TV.shape
     out = jax.ShapeDtypeStruct((t,), jnp.float32)
     return pl.pallas_call(
-        functools.partial(_forward_kernel, chunk=CHUNK), grid=(t,),
+        functools.partial(_forward_kernel, chunk=chunk), grid=(t,),
         in_specs=[_row_spec(v), _SCALAR], out_specs=[_SCALAR, _SCALAR], out_shape=[out, out],
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS), interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps), interpret=interpret,
         name="cross_entropy_forward")(logits_TV, targets_T)
 
 
-def _backward(logits_TV, targets_T, log_z_T, g_T, interpret: bool):
+def _backward(logits_TV, targets_T, log_z_T, g_T, interpret: bool, chunk: int, num_warps: int):
     t, v = logits_TV.shape
     return pl.pallas_call(
-        functools.partial(_backward_kernel, chunk=CHUNK), grid=(t,),
+        functools.partial(_backward_kernel, chunk=chunk), grid=(t,),
         in_specs=[_row_spec(v), _SCALAR, _SCALAR, _SCALAR], out_specs=_row_spec(v),
         out_shape=jax.ShapeDtypeStruct(logits_TV.shape, logits_TV.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS), interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps), interpret=interpret,
         name="cross_entropy_backward")(logits_TV, targets_T, log_z_T, g_T)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def cross_entropy_per_token(logits_TV, targets_T, interpret: bool = False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def cross_entropy_per_token(logits_TV, targets_T, interpret: bool = False, chunk: int = CHUNK,
+                            num_warps: int = NUM_WARPS):
     """float32 [T]: log Z - the target's logit per row of `logits_TV` ([T, V], any float dtype; the gradient
-    comes back in it). `interpret`: Pallas interpret mode (the CPU tests)."""
-    return _vjp_forward(logits_TV, targets_T, interpret)[0]
+    comes back in it). `interpret`: Pallas interpret mode (the CPU tests); `chunk` (a power of 2) and
+    `num_warps`: the kernels' columns per loop step and warps per row (bench_cross_entropy sweeps them)."""
+    return _vjp_forward(logits_TV, targets_T, interpret, chunk, num_warps)[0]
 
 
-def _vjp_forward(logits_TV, targets_T, interpret):
+def _vjp_forward(logits_TV, targets_T, interpret, chunk, num_warps):
     targets_T = targets_T.astype(jnp.int32)
-    log_z, target_logit = _forward(logits_TV, targets_T, interpret)
+    log_z, target_logit = _forward(logits_TV, targets_T, interpret, chunk, num_warps)
     in_vocab = (targets_T >= 0) & (targets_T < logits_TV.shape[1])
     return log_z - jnp.where(in_vocab, target_logit, jnp.nan), (logits_TV, targets_T, log_z)
 
 
-def _vjp_backward(interpret, residuals, g_T):
+def _vjp_backward(interpret, chunk, num_warps, residuals, g_T):
     logits_TV, targets_T, log_z = residuals
-    return _backward(logits_TV, targets_T, log_z, g_T.astype(jnp.float32), interpret), None
+    return _backward(logits_TV, targets_T, log_z, g_T.astype(jnp.float32), interpret, chunk, num_warps), None
 
 
 cross_entropy_per_token.defvjp(_vjp_forward, _vjp_backward)
