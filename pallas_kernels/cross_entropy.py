@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.varying import match_varying, output_struct, vary_like
+
 __all__ = ["cross_entropy_per_token", "CHUNK", "NUM_WARPS"]
 
 CHUNK = 2048      # columns per loop step: 2048 bf16 = 4 KB per row and step, 16 per thread of 4 warps
@@ -71,7 +73,8 @@ _SCALAR = pl.BlockSpec((None,), lambda t: (t,))
 
 def _forward(logits_TV, targets_T, interpret: bool, chunk: int, num_warps: int):
     t, v = logits_TV.shape
-    out = jax.ShapeDtypeStruct((t,), jnp.float32)
+    logits_TV, targets_T = (vary_like(a, logits_TV, targets_T) for a in (logits_TV, targets_T))
+    out = output_struct((t,), jnp.float32, logits_TV, targets_T)
     return pl.pallas_call(
         functools.partial(_forward_kernel, chunk=chunk), grid=(t,),
         in_specs=[_row_spec(v), _SCALAR], out_specs=[_SCALAR, _SCALAR], out_shape=[out, out],
@@ -81,12 +84,13 @@ def _forward(logits_TV, targets_T, interpret: bool, chunk: int, num_warps: int):
 
 def _backward(logits_TV, targets_T, log_z_T, g_T, interpret: bool, chunk: int, num_warps: int):
     t, v = logits_TV.shape
+    operands = [vary_like(a, logits_TV, targets_T, log_z_T, g_T) for a in (logits_TV, targets_T, log_z_T, g_T)]
     return pl.pallas_call(
         functools.partial(_backward_kernel, chunk=chunk), grid=(t,),
         in_specs=[_row_spec(v), _SCALAR, _SCALAR, _SCALAR], out_specs=_row_spec(v),
-        out_shape=jax.ShapeDtypeStruct(logits_TV.shape, logits_TV.dtype),
+        out_shape=output_struct(logits_TV.shape, logits_TV.dtype, *operands),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps), interpret=interpret,
-        name="cross_entropy_backward")(logits_TV, targets_T, log_z_T, g_T)
+        name="cross_entropy_backward")(*operands)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -107,7 +111,8 @@ def _vjp_forward(logits_TV, targets_T, interpret, chunk, num_warps):
 
 def _vjp_backward(interpret, chunk, num_warps, residuals, g_T):
     logits_TV, targets_T, log_z = residuals
-    return _backward(logits_TV, targets_T, log_z, g_T.astype(jnp.float32), interpret, chunk, num_warps), None
+    d_logits = _backward(logits_TV, targets_T, log_z, g_T.astype(jnp.float32), interpret, chunk, num_warps)
+    return match_varying(d_logits, logits_TV, d_logits), None
 
 
 cross_entropy_per_token.defvjp(_vjp_forward, _vjp_backward)

@@ -9,6 +9,8 @@ imports `varying_axes` from here rather than the other way round.
     differ between devices; this types them as varying along every axis their inputs vary along.
   * `match_varying(cotangent, primal, *computed_from)`: a `jax.custom_vjp` backward must give each
     cotangent its primal's type; this sums over the axes the primal is replicated on.
+  * `output_struct(shape, dtype, *inputs)`: a `pl.pallas_call` (Triton backend) output's type inside a
+    checked shard_map must say how it varies: along every axis its inputs vary along.
 """
 from __future__ import annotations
 
@@ -42,3 +44,13 @@ def match_varying(cotangent, primal, *computed_from):
     if have - want:
         cotangent = lax.psum(vary_like(cotangent, *computed_from), tuple(sorted(have - want)))
     return vary_like(cotangent, primal)
+
+
+def output_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+    """`jax.ShapeDtypeStruct(shape, dtype)` for a pallas_call output computed from `inputs`: inside shard_map typed
+    as varying along every mesh axis they vary along (shard_map's type check requires it stated), outside as is."""
+    mat = getattr(jax.typeof(inputs[0]), "mat", None)
+    if mat is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    axes = frozenset().union(*(varying_axes(a) for a in inputs))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat.update(varying=axes))

@@ -104,3 +104,37 @@ def test_the_models_loss_and_gradients_with_the_pallas_cross_entropy(monkeypatch
 @pytest.mark.parametrize("tokens, vocab", [(512, 102400), (1024, 32000), (256, 151936)])
 def test_gpu_matches_the_xla_cross_entropy(tokens, vocab):
     _check(*_case(tokens, vocab, scale=4.0), interpret=False)
+
+
+def _inside_shard_map(interpret: bool, check_vma: bool):
+    """The loss and logits gradient computed per device inside shard_map, as the manual plans' step runs it,
+    against the XLA form outside."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("data",))
+    logits, targets = _case(16 * n, 3000)
+    logits, targets = logits.reshape(n, 16, 3000), targets.reshape(n, 16)
+    v_want, d_want = jax.value_and_grad(lambda x: cross_entropy(x.astype(jnp.float32), targets))(logits)
+    logits, targets = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (logits, targets))
+
+    def per_device(x, t):   # this device's mean and its gradient: no collective in the differentiated part
+        v, d = jax.value_and_grad(lambda x: pallas_cross_entropy(x, t, interpret=interpret))(x)
+        return v[None], d
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P("data"), P("data")),
+                        check_vma=check_vma)
+    v, d = jax.jit(run)(logits, targets)
+    v, d = jnp.mean(v), np.asarray(d, np.float32) / n   # the global mean of equal-sized shards, and its gradient
+    np.testing.assert_allclose(float(v), float(v_want), rtol=2e-6)
+    np.testing.assert_allclose(d, np.asarray(d_want, np.float32), rtol=2 ** -7, atol=1e-9)
+
+
+def test_interpret_inside_shard_map():
+    """check_vma off: jax's Pallas interpreter loses the varying type of its grid loop's carry inside a checked
+    shard_map (an interpreter limitation); the compiled kernel's typing is checked on the GPU below."""
+    _inside_shard_map(interpret=True, check_vma=False)
+
+
+@pytest.mark.gpu
+def test_gpu_inside_a_checked_shard_map():
+    _inside_shard_map(interpret=False, check_vma=True)
