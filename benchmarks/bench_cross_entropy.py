@@ -1,7 +1,8 @@
 """The loss head's cross-entropy on the GPU: the model's XLA form (model/layers.cross_entropy: jax.nn.logsumexp +
-the one-hot target logit, autodiff) and its Pallas kernel (pallas_kernels/cross_entropy.py) against a one-pass forward (one variadic reduction; tried for the model and
-measured slower) and optax's integer-label cross-entropy, forward and forward + backward (the gradient w.r.t.
-the bf16 logits, as in the train step), timed round by round in one process (benchmarks/loop_timing.time_rounds).
+the one-hot target logit, autodiff) and its Pallas kernel (pallas_kernels/cross_entropy.py) against a one-pass
+forward (one variadic reduction; tried for the model and measured slower) and optax's integer-label
+cross-entropy, forward and forward + backward (the gradient w.r.t. the bf16 logits, as in the train step),
+timed round by round in one process (benchmarks/loop_timing.time_rounds).
 
     python -m benchmarks.bench_cross_entropy --out $OUT/cross_entropy.json
 

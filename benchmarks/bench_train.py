@@ -63,7 +63,8 @@ def step_hlo(dump_dir: str) -> str:
     have compiled more than one)."""
     dumps = glob.glob(os.path.join(dump_dir, "*jit_step_fn*after_optimizations.txt"))
     if not dumps:
-        raise FileNotFoundError(f"no *jit_step_fn*after_optimizations.txt in {dump_dir}: did XLA_FLAGS reach the trainer?")
+        raise FileNotFoundError(f"no *jit_step_fn*after_optimizations.txt in {dump_dir}: "
+                                "did XLA_FLAGS reach the trainer?")
     with open(max(dumps, key=os.path.getsize)) as f:
         return f.read()
 
@@ -142,9 +143,14 @@ def main() -> None:
     ap.add_argument("--hlo-sources", action="store_true",
                     help="with --profile-steps: name each listed kernel's jax op and source line (XLA dump)")
     ap.add_argument("--save-hlo", action="store_true",
-                    help="with --hlo-sources: write each run's step HLO next to --out (<out>.<config>.<variant>.hlo.gz)")
+                    help="with --hlo-sources: write each run's step HLO next to --out "
+                         "(<out>.<config>.<variant>.hlo.gz)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.hlo_sources and not args.profile_steps:
+        ap.error("--hlo-sources names the profiled kernels' sources: give --profile-steps N too")
+    if args.save_hlo and not args.hlo_sources:
+        ap.error("--save-hlo writes the HLO that --hlo-sources dumps: give --hlo-sources too")
     common = _parse_overrides(args.set)
     variants = ([] if args.no_default else [("default", {})]) + [(v.split(":", 1)[0], _parse_overrides(v.split(":", 1)[1]))
                                     for v in args.variant]

@@ -148,13 +148,16 @@ def breakdown(trace: dict, num_steps: int, top: int = 25, sources: dict | None =
             by_name[e.get("name", "")] += hi - lo
             sample_args.setdefault(e.get("name", ""), {k: str(v)[:200] for k, v in (e.get("args") or {}).items()})
     ms = lambda us: round(us / n / 1e3, 3)  # noqa: E731 - per GPU per step, milliseconds
+
+    def entry(k, v):
+        source = source_of(k, sources)
+        return {"name": k[:160], "category": kernel_category(k), "ms": ms(v), "args": sample_args.get(k, {}),
+                **({"source": source} if source else {})}
     return {
         "num_gpus": len(per_gpu), "num_steps": num_steps,
         "busy_ms": ms(busy), "comm_ms": ms(comm), "exposed_comm_ms": ms(exposed),
         "kernel_ms_by_category": {k: ms(v) for k, v in sorted(by_category.items())},
-        "top_kernels": [{"name": k[:160], "category": kernel_category(k), "ms": ms(v), "args": sample_args.get(k, {}),
-                         **({"source": source_of(k, sources)} if source_of(k, sources) else {})}
-                        for k, v in by_name.most_common(top)],
+        "top_kernels": [entry(k, v) for k, v in by_name.most_common(top)],
     }
 
 

@@ -4,7 +4,7 @@
     accumulate   the same over M microbatches in a `lax.scan` with an FP32 accumulator: one optimizer
                  update per step whatever M is, activation memory of one microbatch;
     on_compute_copies(source, dtype)   either of the above given the GEMM weights already in the compute
-                 dtype, cast once per step: their gradients come back in that dtype;
+                 dtype, cast once per step: their per-microbatch gradients are in that dtype;
     pipeline     the microbatches through parallel/pipeline.py's schedule (GPipe / 1F1B / interleaved), its
                  stages calling the model's own embed / scanned block / head_loss on their parts of the state.
 
@@ -63,11 +63,14 @@ def autodiff(loss_fn, *, per_device: bool) -> GradientSource:
 def on_compute_copies(source: GradientSource, compute_dtype) -> GradientSource:
     """`source` differentiated w.r.t. the GEMM weights' compute-dtype copies (model/transformer.GEMM_WEIGHTS), cast
     here once per step (not once per microbatch, inside the loss). The model casts those weights to the compute
-    dtype before every GEMM anyway, so their gradients are the same values, the bf16 GEMMs' own outputs, without
-    the conversion to float32 that the cast's transpose would add, and at half the bytes for every pass after it:
-    the unrolled layer stack's concatenation, the non-finite check, the global norm and AdamW's read (the
-    updaters and `accumulate` sum and update in float32). For the pipeline the plain float32 path stays: its
-    schedule accumulates microbatch gradients in the parameters' dtype."""
+    dtype before every GEMM anyway, so their per-microbatch gradients are the bf16 GEMMs' outputs either way (bit
+    for bit for XLA's dots; lax.ragged_dot's transpose rounds less for a float32 operand, see
+    tests/test_gradients.py), now without a conversion pass to float32 and at half the bytes for the passes that
+    read them: the unrolled layer stack's concatenation and, with one microbatch, the non-finite check, the global
+    norm and AdamW's read (the updaters convert to float32 first; with several microbatches `accumulate` sums them
+    in float32). The macro MoE layer's expert weight gradients, summed over its chunks, are rounded to bf16 once
+    more here, as the autodiff path's already were. For the pipeline the plain float32 path stays: its schedule
+    accumulates microbatch gradients in the parameters' dtype."""
     def wrapped(params, batch):
         return source(cast_gemm_weights(params, compute_dtype), batch)
     return wrapped

@@ -68,7 +68,7 @@ def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
         tail = resolve_grouped_gemm_tail(cfg.kernels.grouped_gemm_tail, grouped_gemm=grouped_gemm,
                                          expert_parallel=expert_parallel)
         cross_entropy = resolve_cross_entropy(cfg.kernels.cross_entropy, backend=backend,
-                                              partitioned_by_xla=plan.kind != PlanKind.MANUAL and jax.device_count() > 1)
+                                              partitioned_by_xla=not plan.per_device and plan.num_devices > 1)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return Kernels(attention=resolve_attention_impl(cfg.kernels.attention, backend=backend, compute_dtype=compute),

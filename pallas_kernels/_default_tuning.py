@@ -66,7 +66,7 @@ PINGPONG_MAX_REDUCTION = 2048
 # grouped_gemm_dsv3_schedules_h100.json). So an output wider than PINGPONG_WIDE_OUTPUT takes ping-pong only on
 # the cards named in PINGPONG_WIDE_OUTPUT_DEVICES; other cards (untimed ones too) keep the cooperative tiles.
 PINGPONG_WIDE_OUTPUT = 4096
-PINGPONG_WIDE_OUTPUT_DEVICES = ("H200",)
+PINGPONG_WIDE_OUTPUT_DEVICES = ("NVIDIA H200",)   # jax's device_kind prefix; not "NVIDIA GH200" (untimed)
 PINGPONG_TILING = GemmTiling(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=6, schedule="pingpong")
 
 
@@ -120,7 +120,7 @@ def _pingpong_for_short_reductions(cfg: GemmTiling, reduction: int, out_cols: in
     """The ping-pong tiles for a forward / input gradient whose reduction is <= PINGPONG_MAX_REDUCTION and whose
     output width is a multiple of 128 (and <= PINGPONG_WIDE_OUTPUT but on PINGPONG_WIDE_OUTPUT_DEVICES); else
     `cfg` unchanged."""
-    wide_ok = out_cols <= PINGPONG_WIDE_OUTPUT or any(d in device_kind for d in PINGPONG_WIDE_OUTPUT_DEVICES)
+    wide_ok = out_cols <= PINGPONG_WIDE_OUTPUT or device_kind.startswith(PINGPONG_WIDE_OUTPUT_DEVICES)
     if reduction <= PINGPONG_MAX_REDUCTION and out_cols % PINGPONG_TILING.tile_n == 0 \
             and reduction % PINGPONG_TILING.tile_k == 0 and wide_ok:
         return PINGPONG_TILING

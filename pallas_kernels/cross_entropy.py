@@ -4,11 +4,12 @@
               target's logit -> log Z and the target logit, float32 [T];
     backward  one read and one write: d logits = g (exp(x - log Z) - one-hot), in the logits' dtype.
 
-Why not XLA's: jax.nn.logsumexp is a max pass and an exp-sum pass, and XLA's exp-sum and backward passes are
-bound by its accurate float32 exponential rather than by memory: on an H200, 4.3 ms for the forward and 4.7 ms
-for the backward of deepseekmoe_small's 32768 x 102400 logits (6.7 GB in bf16), where one read of them takes
-~1.6 ms (benchmarks/results/train_step_h200_compute_copies.json). Triton's exponential is the hardware's
-approximate ex2 (a relative error of a few 1e-7, far below bf16's 4e-3 of the logits themselves).
+Why not XLA's: jax.nn.logsumexp is a max pass and an exp-sum pass over the logits, and XLA's exp-sum and backward
+passes run well below HBM speed: on an H200, 4.3 ms for the forward and 4.7 ms for the backward of
+deepseekmoe_small's 32768 x 102400 logits (6.7 GB in bf16; benchmarks/results/train_step_h200_compute_copies.json),
+where a plain elementwise pass moves ~2x those bytes per ms. Alone on an H100 the kernels take 2.52 vs 4.79 ms
+forward and 7.10 vs 9.70 ms forward + backward (benchmarks/results/cross_entropy_1xh100.json). Both use an
+accurate exponential (Triton lowers jnp.exp to __nv_expf); the forward's gain is one read instead of two.
 
 `cross_entropy_per_token(logits_TV, targets_T)` is a custom VJP; its plain twin is the model's XLA form
 (megascale_jax/model/layers.cross_entropy), compared in tests/kernels/test_cross_entropy.py (interpret mode
@@ -40,8 +41,9 @@ def _forward_kernel(x_ref, target_ref, log_z_ref, target_logit_ref, *, chunk: in
         cols = i * chunk + jnp.arange(chunk)
         x = plgpu.load(x_ref.at[cols], mask=cols < n, other=-jnp.inf).astype(jnp.float32)
         m_new = jnp.maximum(m, jnp.max(x))
-        # the chunk's maximum is -inf only while every column so far is (a masked vocabulary): nothing to add
-        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        # as jax.nn.logsumexp: a non-finite maximum shifts by 0. -inf: every column so far is masked (nothing to
+        # add, no -inf + inf); +inf: log Z is +inf, the loss +inf, as in the plain form
+        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift))
         return m_new, s, hit + jnp.where(cols == target, x, 0.0)
 
@@ -99,6 +101,8 @@ def cross_entropy_per_token(logits_TV, targets_T, interpret: bool = False, chunk
     """float32 [T]: log Z - the target's logit per row of `logits_TV` ([T, V], any float dtype; the gradient
     comes back in it). `interpret`: Pallas interpret mode (the CPU tests); `chunk` (a power of 2) and
     `num_warps`: the kernels' columns per loop step and warps per row (bench_cross_entropy sweeps them)."""
+    if chunk & (chunk - 1):
+        raise ValueError(f"cross_entropy_per_token: chunk={chunk} must be a power of 2 (Triton's block sizes)")
     return _vjp_forward(logits_TV, targets_T, interpret, chunk, num_warps)[0]
 
 

@@ -50,7 +50,9 @@ def output_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
     """`jax.ShapeDtypeStruct(shape, dtype)` for a pallas_call output computed from `inputs`: inside shard_map typed
     as varying along every mesh axis they vary along (shard_map's type check requires it stated), outside as is."""
     mat = getattr(jax.typeof(inputs[0]), "mat", None)
-    if mat is None:
-        return jax.ShapeDtypeStruct(shape, dtype)
     axes = frozenset().union(*(varying_axes(a) for a in inputs))
+    if mat is None:   # another jax version's typing (`.vma`): say so rather than return an untyped output
+        if axes:
+            raise NotImplementedError(f"output_struct: this jax has no ManualAxisType (.mat); inputs vary over {axes}")
+        return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat.update(varying=axes))

@@ -136,3 +136,15 @@ def test_bench_train_reads_the_trainers_step_hlo_for_kernel_sources(tmp_path):
     assert any(w.startswith("megascale_jax/model/") for w in wheres), sorted(wheres)[:20]
     with pytest.raises(FileNotFoundError, match="jit_step_fn"):
         step_sources(str(tmp_path / "nothing"))
+
+
+@pytest.mark.parametrize("flags, message", [(["--hlo-sources"], "give --profile-steps"),
+                                            (["--profile-steps", "2", "--save-hlo"], "give --hlo-sources")])
+def test_bench_train_refuses_source_flags_that_would_do_nothing(flags, message, monkeypatch, capsys):
+    import sys
+
+    from benchmarks import bench_train
+    monkeypatch.setattr(sys, "argv", ["bench_train", "--out", "x.json", *flags])
+    with pytest.raises(SystemExit):
+        bench_train.main()
+    assert message in capsys.readouterr().err

@@ -262,7 +262,7 @@ class Transformer(nnx.Module):
         scan_unroll: layers per iteration of the scanned stacks (>= the layer count: no loop at all)."""
         m = cfg
         self.cfg, self.compute_dtype, self.remat, self.scan_unroll = m, compute_dtype, remat, scan_unroll
-        self.cross_entropy = kernels.cross_entropy
+        self.cross_entropy_impl = kernels.cross_entropy
         self.embed_tokens = Embedding(m.vocab_size, m.hidden, param_dtype, rngs, m.tied_head_scale)
         self.dense_blocks = _stacked_blocks(m, m.num_dense_layers, False, param_dtype, kernels, rngs)
         self.moe_blocks = _stacked_blocks(m, m.num_moe_layers, True, param_dtype, kernels, rngs)
@@ -297,7 +297,7 @@ class Transformer(nnx.Module):
 
     def head_loss(self, x_BSD, targets_BS, layout):
         """Mean token cross-entropy over the whole batch (on every device)."""
-        if self.cross_entropy == CrossEntropyImpl.PALLAS:
+        if self.cross_entropy_impl == CrossEntropyImpl.PALLAS:
             return layout.reductions.token_mean(pallas_cross_entropy(self.logits(x_BSD, None), targets_BS))
         return layout.reductions.token_mean(cross_entropy(self.logits(x_BSD), targets_BS))
 

@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from megascale_jax.model.layers import (CrossEntropyImpl, cross_entropy, pallas_cross_entropy,
@@ -50,6 +51,23 @@ def test_interpret_masked_columns_and_a_whole_masked_chunk():
     targets = targets.at[0].set(CHUNK + 7 + targets[0] % 100)
     logits = logits.at[0, 1, 2 * CHUNK:].set(-jnp.inf)
     _check(logits, targets)
+
+
+def test_interpret_an_infinite_logit_gives_the_plain_forms_infinite_loss():
+    """+inf in a row: log Z and the loss are +inf in both forms (no inf - inf inside the kernel's shift); the other
+    rows are unchanged."""
+    logits, targets = _case(3, 3000)
+    logits = logits.at[0, 1, 2500].set(jnp.inf)
+    ours = cross_entropy_per_token(logits[0], targets[0], True)
+    want = optax.softmax_cross_entropy_with_integer_labels(logits[0].astype(jnp.float32), targets[0])
+    assert float(ours[1]) == float(want[1]) == float("inf")
+    np.testing.assert_allclose(np.asarray(ours)[[0, 2]], np.asarray(want)[[0, 2]], rtol=2e-6)
+
+
+def test_chunk_must_be_a_power_of_two():
+    logits, targets = _case(2, 300)
+    with pytest.raises(ValueError, match="chunk=1000 must be a power of 2"):
+        cross_entropy_per_token(logits[0], targets[0], True, 1000)
 
 
 def test_interpret_target_outside_the_vocabulary_is_nan():
