@@ -86,7 +86,7 @@ def get_config() -> ConfigDict:
     # kernel | mask | auto (mask for the pallas kernel under expert parallelism, where receive buffers are mostly
     # tail rows: the expert FFN fwd+bwd 1.035x (Mixtral EP8) / 1.235x (Qwen3 EP8) faster on an H200)
     c.kernels.grouped_gemm_tail = "auto"
-    c.kernels.cross_entropy = "auto"  # auto | xla | pallas (the loss head's softmax passes; auto: xla for now)
+    c.kernels.cross_entropy = "auto"  # auto | xla | pallas (the loss head's softmax passes; auto: pallas on GPU per device)
     c.kernels.swiglu = "separate"     # separate | fused (first expert GEMMs + SwiGLU in one kernel; not faster yet)
     c.kernels.attention = "auto"      # xla | cudnn | auto (cudnn on GPU with bf16)
 

@@ -78,8 +78,7 @@ def test_interpret_target_outside_the_vocabulary_is_nan():
 
 
 def test_resolution_by_backend_and_plan():
-    # auto stays on the XLA form until the kernel has run inside a GPU train step (resolve_cross_entropy's note)
-    assert resolve_cross_entropy("auto", backend="gpu", partitioned_by_xla=False) == CrossEntropyImpl.XLA
+    assert resolve_cross_entropy("auto", backend="gpu", partitioned_by_xla=False) == CrossEntropyImpl.PALLAS
     assert resolve_cross_entropy("pallas", backend="gpu", partitioned_by_xla=False) == CrossEntropyImpl.PALLAS
     assert resolve_cross_entropy("auto", backend="gpu", partitioned_by_xla=True) == CrossEntropyImpl.XLA
     assert resolve_cross_entropy("auto", backend="cpu", partitioned_by_xla=False) == CrossEntropyImpl.XLA
