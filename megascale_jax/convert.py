@@ -306,7 +306,7 @@ def import_hf(hf_dir: str, cfg, out: str, cast: bool = False, devices=None) -> N
     params = load_params(hf_dir, cfg, trainer, cast)   # every check raises before anything is written
     ckpt = Checkpointer(out, save_every=0, keep=1, async_save=False)
     extra = {"step": 0, "config": cfg.name, "imported_from": os.path.abspath(hf_dir)}
-    ckpt.save(0, step_lib.create_state(trainer, params), extra)   # fresh optimizer state for the imported weights
+    ckpt.save(0, step_lib.checkpointed(step_lib.create_state(trainer, params)), extra)   # fresh optimizer state for the imported weights
     ckpt.close()
 
 
@@ -323,7 +323,7 @@ def export_hf(ckpt_dir: str, cfg, out: str, dtype: str | None = None, max_shard_
         raise ConvertError(f"--hf {out} is not empty; pass a new folder for the exported checkpoint.")
     trainer = step_lib.build(cfg, devices)
     with Checkpointer(ckpt_dir, save_every=0, keep=1, async_save=False) as ckpt:
-        state, _ = ckpt.restore(trainer.abstract_state)
+        state, _ = ckpt.restore(trainer.checkpoint_abstract)
     plan = _plan(cfg, state["params"], family)
     out_dtype = {e.path: np.dtype(dtype) if dtype else np.dtype(leaf.dtype) for e, leaf, _, _ in plan}
     flat = {tuple(k.key for k in p if hasattr(k, "key")): x

@@ -3,8 +3,14 @@
     autodiff     jax.value_and_grad of the model's loss (embed -> blocks -> head_loss);
     accumulate   the same over M microbatches in a `lax.scan` with an FP32 accumulator: one optimizer
                  update per step whatever M is, activation memory of one microbatch;
-    on_compute_copies(source, dtype)   either of the above given the GEMM weights already in the compute
-                 dtype, cast once per step: their per-microbatch gradients are in that dtype;
+                 Both take the parameters with the GEMM weights as the state's compute-dtype copies
+                 (megascale_jax/step.py `source_params`), cast once per step, not once per microbatch inside
+                 the loss: their per-microbatch gradients are the bf16 GEMMs' outputs (as they were with the
+                 cast inside the model: bit for bit for XLA's dots, tests/test_gradients.py), at half the bytes
+                 for what reads them (the unrolled stack's concatenation and, with one microbatch, the
+                 non-finite check, the global norm and AdamW's read; with several, `accumulate` sums them in
+                 float32). The macro MoE layer's expert weight gradients, summed over its chunks, are rounded
+                 to bf16 once more, as the autodiff path's already were;
     pipeline     the microbatches through parallel/pipeline.py's schedule (GPipe / 1F1B / interleaved), its
                  stages calling the model's own embed / scanned block / head_loss on their parts of the state.
 
@@ -26,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from megascale_jax.model.transformer import cast_gemm_weights, scan_body
+from megascale_jax.model.transformer import scan_body
 from megascale_jax.parallel.collectives import vary_like, varying_axes
 from megascale_jax.parallel.pipeline import PipelineParams, pipeline_local_value_and_grad
 from megascale_jax.parallel.pipeline_schedules import StageLayout
@@ -58,22 +64,6 @@ def autodiff(loss_fn, *, per_device: bool) -> GradientSource:
         (_, (loss, metrics)), grads = jax.value_and_grad(scaled, has_aux=True)(local)
         return loss, metrics, grads
     return source
-
-
-def on_compute_copies(source: GradientSource, compute_dtype) -> GradientSource:
-    """`source` differentiated w.r.t. the GEMM weights' compute-dtype copies (model/transformer.GEMM_WEIGHTS), cast
-    here once per step (not once per microbatch, inside the loss). The model casts those weights to the compute
-    dtype before every GEMM anyway, so their per-microbatch gradients are the bf16 GEMMs' outputs either way (bit
-    for bit for XLA's dots; lax.ragged_dot's transpose rounds less for a float32 operand, see
-    tests/test_gradients.py), now without a conversion pass to float32 and at half the bytes for the passes that
-    read them: the unrolled layer stack's concatenation and, with one microbatch, the non-finite check, the global
-    norm and AdamW's read (the updaters convert to float32 first; with several microbatches `accumulate` sums them
-    in float32). The macro MoE layer's expert weight gradients, summed over its chunks, are rounded to bf16 once
-    more here, as the autodiff path's already were. For the pipeline the plain float32 path stays: its schedule
-    accumulates microbatch gradients in the parameters' dtype."""
-    def wrapped(params, batch):
-        return source(cast_gemm_weights(params, compute_dtype), batch)
-    return wrapped
 
 
 def split_microbatches(batch, num_microbatches: int):

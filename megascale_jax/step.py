@@ -2,7 +2,8 @@
 
     step = updater(gradient_source(params, batch))
 
-  gradient source  autodiff | accumulate(train.microbatches), on the GEMM weights' compute-dtype copies
+  gradient source  autodiff | accumulate(train.microbatches), differentiated w.r.t. the GEMM weights'
+                       compute-dtype copies, which the state keeps (`compute_copies`)
                    | pipeline(parallel.pipeline_schedule)
   updater          replicated(grad_comm): reduce the gradient over 'data' (fp32 all-reduce, or bf16 / fp8
                        all-to-all + local fp32 sum + all-gather), clip by the global norm, AdamW on each
@@ -35,7 +36,8 @@ from megascale_jax.config_checks import ConfigError
 from megascale_jax.model.attention import resolve_attention_impl
 from megascale_jax.model.layers import resolve_cross_entropy
 from megascale_jax.model.moe.experts import resolve_grouped_gemm, resolve_grouped_gemm_tail, resolve_swiglu
-from megascale_jax.model.transformer import Kernels, Transformer
+from megascale_jax.model.transformer import Kernels, Transformer, gemm_weight_copies, gemm_weights_of, \
+    with_gemm_weight_copies
 from megascale_jax.optim import NonFinite, clip_by_norm, flat_decay_mask, learning_rate_schedule, \
     make_flat_optimizer, make_optimizer
 from megascale_jax.parallel import grad_comm
@@ -47,6 +49,14 @@ from megascale_jax.parallel.ring_attention import AttentionExchange
 from megascale_jax.parallel.zero import OptimizerSharding, Zero1
 
 DTYPES = {DType.FLOAT32: jnp.float32, DType.BFLOAT16: jnp.bfloat16}
+
+# The state's entry for the GEMM weights' compute-dtype copies. Why kept in the state: the update that writes the
+# float32 parameters writes their copies in the same pass (XLA fuses the cast into AdamW's one pass per parameter),
+# where casting them at the start of the next step is one more read of every float32 parameter (on an H100, 2.6 ms of
+# deepseekmoe_small's 8 x 4096-token step for its 1.68 B parameters). The step's peak memory is unchanged (the cast
+# copies were live through the forward and backward anyway); between steps they cost 2 bytes a parameter. Derived,
+# so never checkpointed: `checkpointed` drops them and `resumed` casts them again.
+COPIES = "compute_copies"
 
 # ZeRO-1's flat vectors are padded to a multiple of this, so for every data-parallel size dividing 64 the state
 # has the same global shapes and a checkpoint restores onto another data-parallel size (<= 8192 zeros a bucket).
@@ -193,6 +203,16 @@ class Trainer:
     def param_specs(self):
         return _specs(self.state_shardings["params"])
 
+    @property
+    def copies_dtype(self):
+        """The compute dtype where the state keeps the GEMM weights' copies in it (`COPIES`), else None."""
+        return jax.tree.leaves(self.abstract_state[COPIES])[0].dtype if COPIES in self.abstract_state else None
+
+    @property
+    def checkpoint_abstract(self) -> dict:
+        """The abstract state a checkpoint holds (`checkpointed`), the target to restore into."""
+        return checkpointed(self.abstract_state)
+
     def batch_sharding(self) -> NamedSharding:
         return self.plan.batch_sharding(self.mesh)
 
@@ -226,6 +246,10 @@ def build(cfg: Config, devices=None) -> Trainer:
     shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated, "nonfinite": replicated}
     abstract = {"params": abstract_params, "opt_state": abstract_opt, "step": jax.ShapeDtypeStruct((), jnp.int32),
                 "nonfinite": jax.ShapeDtypeStruct((2,), jnp.int32)}
+    compute = DTYPES[cfg.train.compute_dtype]
+    if plan.pipe == 1 and compute != DTYPES[cfg.train.param_dtype]:   # the pipeline casts per stage itself
+        shardings[COPIES] = gemm_weights_of(param_shardings)
+        abstract[COPIES] = jax.eval_shape(lambda p: gemm_weight_copies(p, compute), abstract_params)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     layout = make_layout(plan, num_heads=cfg.model.num_heads, num_experts=cfg.model.moe.num_experts,
                          moe_layer=cfg.parallel.moe_layer, remat=cfg.train.remat,
@@ -249,9 +273,27 @@ def create_state(trainer: Trainer, params=None):
         opt_state = trainer.updater.init(params, trainer.param_specs)
     else:
         opt_state = jax.jit(trainer.updater.init, out_shardings=shardings["opt_state"])(params)
-    return {"params": params, "opt_state": opt_state,
-            "step": jax.device_put(np.zeros((), np.int32), shardings["step"]),
-            "nonfinite": jax.device_put(np.array([0, -1], np.int32), shardings["nonfinite"])}
+    return resumed(trainer, {"params": params, "opt_state": opt_state,
+                             "step": jax.device_put(np.zeros((), np.int32), shardings["step"]),
+                             "nonfinite": jax.device_put(np.array([0, -1], np.int32), shardings["nonfinite"])})
+
+
+def checkpointed(state: dict) -> dict:
+    """The part of the state a checkpoint holds: all but the derived GEMM-weight copies."""
+    return {k: v for k, v in state.items() if k != COPIES}
+
+
+def resumed(trainer: Trainer, state: dict) -> dict:
+    """A checkpointed state (restored, created or imported) made whole: the GEMM weights' copies cast again."""
+    if trainer.copies_dtype is None:
+        return state
+    cast = jax.jit(lambda p: gemm_weight_copies(p, trainer.copies_dtype), out_shardings=trainer.state_shardings[COPIES])
+    return {**state, COPIES: cast(state["params"])}
+
+
+def source_params(state: dict):
+    """What the gradient source differentiates: the parameters, their GEMM weights as the state's copies."""
+    return with_gemm_weight_copies(state["params"], state[COPIES]) if COPIES in state else state["params"]
 
 
 def _all_finite(loss, grads, per_device: bool):
@@ -266,7 +308,7 @@ def _all_finite(loss, grads, per_device: bool):
 
 
 def gradient_source(trainer: Trainer) -> gradients.GradientSource:
-    """autodiff, accumulate or pipeline, as the config says."""
+    """autodiff, accumulate or pipeline, as the config says. The first two take `source_params(state)`."""
     cfg, plan = trainer.cfg, trainer.plan
     if plan.pipe > 1:
         p = cfg.parallel
@@ -275,8 +317,7 @@ def gradient_source(trainer: Trainer) -> gradients.GradientSource:
                                   schedule=p.pipeline_schedule, num_microbatches=cfg.train.microbatches,
                                   virtual_stages=p.virtual_stages, layers_over_pipe=plan.layers_over_pipe)
     single = gradients.autodiff(gradients.model_loss(trainer.graphdef, trainer.layout), per_device=plan.per_device)
-    return gradients.on_compute_copies(gradients.accumulate(single, cfg.train.microbatches, per_device=plan.per_device),
-                                       DTYPES[cfg.train.compute_dtype])
+    return gradients.accumulate(single, cfg.train.microbatches, per_device=plan.per_device)
 
 
 def _expert_load(metrics):
@@ -297,8 +338,15 @@ def make_train_step(trainer: Trainer):
     schedule = learning_rate_schedule(trainer.cfg.train)
     skip = trainer.cfg.train.nonfinite == NonFinite.SKIP
 
-    def body(params, opt_state, step, nonfinite, batch):
-        loss, metrics, grads = source(params, batch)
+    copies_dtype = trainer.copies_dtype
+
+    def update(params, grads, opt_state):
+        params, opt_state, stats = updater.step(params, grads, opt_state)
+        # The new copies from the new parameters in the same program: XLA writes them in AdamW's pass (COPIES).
+        return params, opt_state, stats, (gemm_weight_copies(params, copies_dtype) if copies_dtype else {})
+
+    def body(params, copies, opt_state, step, nonfinite, batch):
+        loss, metrics, grads = source(with_gemm_weight_copies(params, copies) if copies_dtype else params, batch)
         if isinstance(updater, Replicated):
             # An unrolled layer stack's gradients arrive as a concatenation of the layers' pieces, which XLA
             # fused into each consumer (norm, both Adam moments, the update) and then could not merge those
@@ -309,26 +357,28 @@ def make_train_step(trainer: Trainer):
             grads = lax.optimization_barrier(grads)
         finite = _all_finite(loss, grads, trainer.plan.per_device)
         if skip:   # a cond, not a select: the skipped update costs nothing and reads no state twice
-            params, opt_state, stats = lax.cond(
-                finite, lambda: updater.step(params, grads, opt_state),
-                lambda: (params, opt_state, {"grad_norm": jnp.full((), jnp.nan, jnp.float32)}))
+            params, opt_state, stats, copies = lax.cond(
+                finite, lambda: update(params, grads, opt_state),
+                lambda: (params, opt_state, {"grad_norm": jnp.full((), jnp.nan, jnp.float32)}, copies))
         else:
-            params, opt_state, stats = updater.step(params, grads, opt_state)
+            params, opt_state, stats, copies = update(params, grads, opt_state)
         bad = (~finite).astype(jnp.int32)
         nonfinite = jnp.stack([nonfinite[0] + bad, jnp.where((nonfinite[1] < 0) & (bad > 0), step, nonfinite[1])])
         metrics.update(loss=loss, grad_norm=stats["grad_norm"], lr=schedule(step), nonfinite_steps=nonfinite[0])
         if "tokens_per_expert" in metrics:   # the pipeline returns only the weighted MoE loss (moe_loss)
             metrics["expert_load_max_over_mean"] = _expert_load(metrics)
-        return params, opt_state, nonfinite, metrics
+        return params, copies, opt_state, nonfinite, metrics
 
     def step_fn(state, batch):
         param_specs = trainer.param_specs
         opt_specs = updater.state_specs(state["opt_state"], param_specs)
-        run = _per_device(trainer, body, (param_specs, opt_specs, P(), P(), trainer.plan.batch_spec()),
-                          (param_specs, opt_specs, P(), P()))
-        params, opt_state, nonfinite, metrics = run(state["params"], state["opt_state"], state["step"],
-                                                    state["nonfinite"], batch)
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "nonfinite": nonfinite}, metrics
+        copy_specs = gemm_weights_of(param_specs) if copies_dtype else {}
+        run = _per_device(trainer, body, (param_specs, copy_specs, opt_specs, P(), P(), trainer.plan.batch_spec()),
+                          (param_specs, copy_specs, opt_specs, P(), P()))
+        params, copies, opt_state, nonfinite, metrics = run(state["params"], state.get(COPIES, {}), state["opt_state"],
+                                                            state["step"], state["nonfinite"], batch)
+        new = {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "nonfinite": nonfinite}
+        return ({**new, COPIES: copies} if copies_dtype else new), metrics
 
     batch = {"inputs": trainer.batch_sharding(), "targets": trainer.batch_sharding()}
     return jax.jit(step_fn, in_shardings=(trainer.state_shardings, batch),

@@ -86,7 +86,8 @@ def run(cfg: config_lib.Config, *, profile: bool = False, devices=None, stop_aft
     ckpt = Checkpointer(cfg.checkpoint.dir, save_every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save) if cfg.checkpoint.dir else None
     if ckpt is not None and ckpt.latest_step() is not None:
-        state, extra = ckpt.restore(trainer.abstract_state)
+        state, extra = ckpt.restore(trainer.checkpoint_abstract)
+        state = step_lib.resumed(trainer, state)
         print(f"resumed from {cfg.checkpoint.dir} at step {extra['step']}", flush=True)
     else:
         state = step_lib.create_state(trainer)
@@ -136,7 +137,7 @@ def run(cfg: config_lib.Config, *, profile: bool = False, devices=None, stop_aft
                 writer.write(done, {"ce": ce}, split="eval")
                 bar.message(f"step {done}: eval loss {ce:.4f}")
         if ckpt is not None:
-            ckpt.maybe_save(done, state, {"step": done, "config": cfg.name})
+            ckpt.maybe_save(done, step_lib.checkpointed(state), {"step": done, "config": cfg.name})
     if ckpt is not None:
         ckpt.wait()
         ckpt.close()

@@ -129,7 +129,7 @@ def test_import_matches_numpy_mapping_and_export_roundtrips(hf_dir, tmp_path, de
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "export")
     convert.import_hf(hf_dir, cfg, ckpt, devices=jax.devices()[:devices])
     with Checkpointer(ckpt, save_every=0, keep=1, async_save=False) as c:
-        state, extra_json = c.restore(trainer.abstract_state)   # what train.run does on resume
+        state, extra_json = c.restore(trainer.checkpoint_abstract)   # what train.run does on resume
     assert int(state["step"]) == 0 and extra_json["step"] == 0
     np.testing.assert_allclose(batch_loss(trainer, state["params"]), batch_loss(trainer, reference), rtol=1e-5)
     convert.export_hf(ckpt, cfg, out, max_shard_bytes=200_000, devices=jax.devices()[:devices])

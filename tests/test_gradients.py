@@ -31,16 +31,16 @@ def _loss_and_grads(trainer, state, batch):
     """The configured gradient source; per device its gradients averaged over 'data' (the updaters' first step)."""
     source = step.gradient_source(trainer)
     if not trainer.plan.per_device:
-        return jax.jit(source)(state["params"], batch)
+        return jax.jit(source)(step.source_params(state), batch)
 
     def body(params, batch):
         loss, metrics, grads = source(params, batch)
-        # in float32, as the updaters reduce (GEMM weights' gradients may come in bf16: on_compute_copies)
+        # in float32, as the updaters reduce (GEMM weights' gradients come in bf16 from their compute copies)
         return loss, metrics, jax.tree.map(lambda g: lax.pmean(g.astype(np.float32), DATA), grads)
 
     specs = trainer.param_specs
     return jax.jit(jax.shard_map(body, mesh=trainer.mesh, in_specs=(specs, trainer.plan.batch_spec()),
-                                 out_specs=(P(), P(), specs)))(state["params"], batch)
+                                 out_specs=(P(), P(), specs)))(step.source_params(state), batch)
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
@@ -107,12 +107,12 @@ def test_gradients_on_the_gemm_weights_compute_copies_equal_the_float32_paramete
     plain = gradients.accumulate(gradients.autodiff(gradients.model_loss(trainer.graphdef, trainer.layout),
                                                     per_device=trainer.plan.per_device),
                                  cfg.train.microbatches, per_device=trainer.plan.per_device)
-    original = step.gradient_source
+    original = step.gradient_source, step.source_params
     try:
-        step.gradient_source = lambda _: plain
+        step.gradient_source, step.source_params = (lambda _: plain), (lambda s: s["params"])
         _, _, want = _loss_and_grads(trainer, state, batch)
     finally:
-        step.gradient_source = original
+        step.gradient_source, step.source_params = original
     exact = 0
     for (path, got), w in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(want)):
         name, got, w = jax.tree_util.keystr(path), np.asarray(got), np.asarray(w)
@@ -141,3 +141,51 @@ def test_the_gemm_weights_are_cast_and_nothing_else():
     assert bf16 == sorted(["head_DV", "wq_DHK", "wk_DGK", "wv_DGK", "wo_HKD", "w_gate_EDF", "w_up_EDF", "w_down_EFD",
                            "w_gate_DF", "w_up_DF", "w_down_FD"]), bf16
     assert all(d == jnp.float32 for n, d in names.items() if any(k in n for k in ("table_VD", "router", "scale")))
+
+
+@pytest.mark.parametrize("plan,nonfinite", [("xla", "stop"), ("sp+ep", "skip")])
+def test_the_state_keeps_the_gemm_weights_copies_of_its_parameters(plan, nonfinite):
+    """bf16 compute: the step writes the GEMM weights' bf16 copies with the update, and they stay the cast of the
+    state's float32 parameters (after create_state, every step, and a skipped non-finite step); the step equals the
+    plain twin that casts the float32 parameters at its start. Checkpoints hold no copies; `resumed` casts them."""
+    import jax.numpy as jnp
+
+    from megascale_jax.model.transformer import gemm_weight_copies
+
+    cfg = default_config("tiny_cpu", num_devices=8, **{**COMMON, **PLANS[plan], "train.compute_dtype": "bfloat16",
+                                                      "train.nonfinite": nonfinite})
+    trainer = step.build(cfg)
+    assert trainer.copies_dtype == jnp.bfloat16 and step.COPIES not in trainer.checkpoint_abstract
+
+    def cast_of_params(state):
+        return jax.device_get(gemm_weight_copies(state["params"], jnp.bfloat16))
+
+    def assert_copies_are_the_cast(state):
+        got, want = jax.device_get(state[step.COPIES]), cast_of_params(state)
+        assert jax.tree.structure(got) == jax.tree.structure(want) and len(jax.tree.leaves(got)) == 11
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert a.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    state, batch = step.create_state(trainer), _batch(trainer)
+    assert_copies_are_the_cast(state)
+    # The plain twin: the copies cast from the float32 parameters at the step's start (what the state carries over).
+    twin = {k: v for k, v in jax.device_get(state).items()}
+    twin = step.resumed(trainer, step.checkpointed(jax.device_put(twin, trainer.state_shardings)))
+    train_step = step.make_train_step(trainer)
+    for _ in range(2):
+        state, metrics = train_step(state, batch)
+        assert_copies_are_the_cast(state)
+        twin = step.resumed(trainer, step.checkpointed(twin))   # a fresh cast, as a restore does
+        twin, twin_metrics = train_step(twin, batch)
+        assert float(metrics["loss"]) == float(twin_metrics["loss"])
+        for a, b in zip(jax.tree.leaves(jax.device_get(state["params"])), jax.tree.leaves(jax.device_get(twin["params"]))):
+            np.testing.assert_array_equal(a, b)
+    before = jax.device_get(state)
+    bad = {"inputs": batch["inputs"], "targets": batch["targets"]}
+    poisoned = dict(state, params=jax.tree.map(lambda x: x * np.float32(np.inf) if x.ndim == 1 else x, state["params"]))
+    state, _ = train_step(poisoned, bad)
+    if nonfinite == "skip":   # the skipped update leaves parameters and copies as they were
+        for a, b in zip(jax.tree.leaves(jax.device_get(state[step.COPIES])), jax.tree.leaves(before[step.COPIES])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_copies_are_the_cast(state)

@@ -94,7 +94,7 @@ def test_import_sharded_loss_and_export_roundtrip(family, plan, tmp_path):
     convert.import_hf(hf_dir, cfg, ckpt, devices=devices)
     trainer = step.build(cfg, devices)
     with Checkpointer(ckpt, save_every=0, keep=1, async_save=False) as c:
-        state, _ = c.restore(trainer.abstract_state)          # what train.run does on resume
+        state, _ = c.restore(trainer.checkpoint_abstract)          # what train.run does on resume
     targets = targets_for(tokens)
     sh = trainer.batch_sharding()
     batch = {"inputs": jax.device_put(tokens, sh), "targets": jax.device_put(targets, sh)}

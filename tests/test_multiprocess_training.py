@@ -105,7 +105,7 @@ def test_hf_import_in_two_processes_equals_one_process(tmp_path):
     restored = {}
     for processes, out in outs.items():
         with Checkpointer(out, save_every=0, keep=1, async_save=False) as ckpt:
-            restored[processes], _ = ckpt.restore(trainer.abstract_state)
+            restored[processes], _ = ckpt.restore(trainer.checkpoint_abstract)
     one, two = (jax.tree.leaves(restored[n]["params"]) for n in (1, 2))
     assert len(one) == len(two) > 10
     for a, b in zip(one, two):

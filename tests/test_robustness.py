@@ -63,7 +63,7 @@ def test_a_diverging_run_stops_and_never_checkpoints_nan(tmp_path):
     assert saved.all_steps() and max(saved.all_steps()) <= first_bad   # state after step k is saved as k + 1
     trainer = step.build(cfg)
     for number in saved.all_steps():
-        state, _ = saved.restore(trainer.abstract_state, step=number)   # restore itself refuses NaN
+        state, _ = saved.restore(trainer.checkpoint_abstract, step=number)   # restore itself refuses NaN
         assert not nonfinite_leaves(state)
 
 

@@ -52,18 +52,36 @@ class Remat(StrEnum):
 # The weights the model reads only as GEMM operands cast to the compute dtype (`w.astype(x.dtype)`): attention
 # projections, dense and expert FFN matrices, the untied head. Not the router (float32 logits), norms' scales,
 # biases, the shared-expert gate, or the embedding table (a gather whose gradient is a scatter-add, which in
-# bf16 would lose frequent tokens' small updates). megascale_jax/gradients.py differentiates w.r.t. their
-# compute-dtype copies (`cast_gemm_weights`).
+# bf16 would lose frequent tokens' small updates). The train step keeps their compute-dtype copies in its state
+# (megascale_jax/step.py) and differentiates w.r.t. them.
 GEMM_WEIGHTS = frozenset({"wq_DHK", "wk_DGK", "wv_DGK", "wo_HKD", "w_gate_EDF", "w_up_EDF", "w_down_EFD",
                           "w_gate_DF", "w_up_DF", "w_down_FD", "head_DV"})
 
 
+def _is_gemm_weight(path, _value) -> bool:
+    return any(isinstance(k, str) and k in GEMM_WEIGHTS for k in path)
+
+
+def gemm_weights_of(params):
+    """The GEMM_WEIGHTS leaves of a parameter state (or of a tree of its shardings) alone, as an nnx.State."""
+    gemm, _ = params.split(_is_gemm_weight, ...)
+    return gemm
+
+
+def gemm_weight_copies(params, dtype):
+    """`gemm_weights_of(params)` cast to `dtype`."""
+    return jax.tree.map(lambda x: x.astype(dtype), gemm_weights_of(params))
+
+
+def with_gemm_weight_copies(params, copies):
+    """`params` with its GEMM_WEIGHTS leaves replaced by `copies` (`gemm_weight_copies`' structure)."""
+    _, rest = params.split(_is_gemm_weight, ...)
+    return nnx.merge_state(rest, copies)
+
+
 def cast_gemm_weights(params, dtype):
     """The parameter state with the GEMM_WEIGHTS leaves cast to `dtype`, the rest as they are."""
-    def cast(path, leaf):
-        names = [getattr(k, "key", None) for k in path]
-        return leaf.astype(dtype) if GEMM_WEIGHTS.intersection(n for n in names if isinstance(n, str)) else leaf
-    return jax.tree_util.tree_map_with_path(cast, params)
+    return with_gemm_weight_copies(params, gemm_weight_copies(params, dtype))
 
 
 CUDNN_ATTENTION_FWD = "dot_product_attention_fwd"   # jax's cuDNN flash-attention forward primitive(s)
