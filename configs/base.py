@@ -101,6 +101,9 @@ def get_config() -> ConfigDict:
     c.train.weight_decay = 0.1
     c.train.b1 = 0.9
     c.train.b2 = 0.95
+    # Adam's moments as stored: float32 | bfloat16 (DeepSeek-V3's choice: half the moments' memory and 8 fewer
+    # bytes a parameter in the update pass; the update is computed in float32; needs 1 - b1, 1 - b2 >= 2^-7)
+    c.train.adam_moments_dtype = "float32"
     c.train.grad_clip = 1.0
     c.train.param_dtype = "float32"   # master weights
     c.train.compute_dtype = "bfloat16"

@@ -102,6 +102,7 @@ class TrainConfig:
     weight_decay: float
     b1: float
     b2: float
+    adam_moments_dtype: str
     grad_clip: float
     param_dtype: str
     compute_dtype: str

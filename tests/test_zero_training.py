@@ -87,3 +87,17 @@ def test_zero1_with_an_intra_node_domain_equals_the_plain_manual_plan(tmp_path, 
 def test_zero1_config_errors(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         default_config("tiny_cpu", **overrides)
+
+
+def test_bfloat16_adam_moments_zero1_equals_replicated_and_follows_float32(tmp_path):
+    """The moments stored in bfloat16 (train.adam_moments_dtype): ZeRO-1's flat slices update exactly as the
+    replicated pytree does, and training follows the float32-moment run to bfloat16 rounding."""
+    bf16 = {"train.adam_moments_dtype": "bfloat16"}
+    replicated = _losses(tmp_path, "bf16_plain", **bf16)
+    np.testing.assert_allclose(_losses(tmp_path, "bf16_zero", **ZERO, **bf16), replicated, rtol=2e-6)
+    np.testing.assert_allclose(replicated, _losses(tmp_path, "f32_plain"), rtol=1e-3)
+    for plan in ({}, ZERO):   # the state's moments (all vectors but ZeRO-1's uint8 decay mask) are bfloat16
+        opt_state = step.build(default_config("tiny_cpu", num_devices=8, **COMMON, **plan, **bf16)).abstract_state[
+            "opt_state"]
+        moments = [x for x in jax.tree.leaves(opt_state) if x.ndim >= 1 and x.dtype != np.uint8]
+        assert moments and {x.dtype for x in moments} == {np.dtype("bfloat16")}
