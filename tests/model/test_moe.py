@@ -7,7 +7,7 @@ from flax import nnx
 
 from megascale_jax.config import default_config
 from megascale_jax.model.moe.layer import MoEFFN
-from megascale_jax.model.moe.router import balance_loss, route
+from megascale_jax.model.moe.router import balance_loss, route, take_top_k
 from megascale_jax.parallel.expert_parallel import combine_local, dispatch_local
 from megascale_jax.parallel.layouts import local_layout
 
@@ -95,6 +95,23 @@ def test_route_renormalises_and_z_loss():
     np.testing.assert_allclose(np.asarray(r2.weight_TK), [[0.5, 0.3]], rtol=1e-6)
     big = route(jnp.array([[10.0, 0.0]]), 1, True, 1)
     assert float(big.z_loss) == pytest.approx(float(jax.nn.logsumexp(jnp.array([10.0, 0.0])) ** 2), rel=1e-6)
+
+
+def test_take_top_k_equals_top_k_values_and_their_gradient():
+    """The router's gather of the chosen probabilities (a select, no scatter in its gradient) against
+    lax.top_k's own values and their autodiff gradient (a scatter-add), exactly."""
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (37, 16)), axis=-1)
+    cotangent = jax.random.normal(jax.random.key(1), (37, 4))
+    idx = jax.lax.top_k(probs, 4)[1]
+
+    def plain(p):
+        return jnp.sum(jax.lax.top_k(p, 4)[0] * cotangent)
+
+    def ours(p):
+        return jnp.sum(take_top_k(p, idx) * cotangent)
+
+    np.testing.assert_array_equal(take_top_k(probs, idx), jax.lax.top_k(probs, 4)[0])
+    np.testing.assert_array_equal(jax.grad(ours)(probs), jax.grad(plain)(probs))
 
 
 def test_shared_expert_gate_scales_the_shared_output_per_token():

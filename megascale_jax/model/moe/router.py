@@ -53,11 +53,21 @@ def balance_loss(probs_TE, idx_TK, group_size: int, token_mean=_local_mean):
     return num_groups * jnp.sum(frac_G * prob_G)
 
 
+def take_top_k(probs_TE, idx_TK):
+    """probs at the chosen experts, [T, K], as a compare-select-sum over the E experts (exact: one term is
+    nonzero). Why not top_k's own values: their gradient is a scatter-add into [T, E], which XLA:GPU ran at
+    0.67 ms a layer in deepseekmoe_small's step (32k tokens, E = 64); this form's gradient is the same select,
+    summed over K, one fused elementwise pass."""
+    chosen_TKE = idx_TK[..., None] == jnp.arange(probs_TE.shape[-1], dtype=idx_TK.dtype)
+    return jnp.sum(jnp.where(chosen_TKE, probs_TE[..., None, :], 0.0), axis=-1)
+
+
 def route(logits_TE, top_k: int, renormalize: bool, group_size: int, token_mean=_local_mean) -> Routing:
     """Pure routing math (float32), separated from the module so tests can feed hand-built logits."""
     logits_TE = logits_TE.astype(jnp.float32)
     probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-    weight_TK, idx_TK = jax.lax.top_k(probs_TE, top_k)
+    _, idx_TK = jax.lax.top_k(jax.lax.stop_gradient(probs_TE), top_k)
+    weight_TK = take_top_k(probs_TE, idx_TK)
     if renormalize:
         weight_TK = weight_TK / jnp.sum(weight_TK, axis=-1, keepdims=True)
     z_loss = token_mean(jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2))
