@@ -41,7 +41,9 @@ def plan_cluster(args) -> None:
     cfg = default_config(_config_name(args.config), **over)
     sh, fpt = wl.Shape.from_config(cfg), cost.flops_per_token(cfg)
     cluster = hardware.make_cluster(args.gpu, args.gpus, args.gpus_per_node, args.net_gbit)
-    system = SYSTEMS[args.system]()
+    # Our own system as the config sets it up; the others are as their papers describe them.
+    system = (systems.ours(moments_dtype=cfg.train.adam_moments_dtype) if args.system == "ours"
+              else SYSTEMS[args.system]())
     gb = cfg.train.global_batch
     print(f"model {cfg.name}: {sh.layers} layers, h {sh.h}, {sh.experts} experts top-{sh.top_k}, seq {sh.seq}, "
           f"{fpt / 1e9:.1f} GFLOP/token; global batch {gb} sequences")

@@ -286,7 +286,7 @@ def evaluate(sh: wl.Shape, plan: Plan, cluster, sys, flops_per_token: float) -> 
              + p["replicated_embed_head"])
     sync_exposed, _ = _sync(sh, plan, sys, cluster, p_local, p_rep, dp)
     zdp = dp if plan.optimizer_sharding == "zero1" else 1
-    opt_bytes = p_local * (wl.OPTIMIZER_BYTES_PER_PARAM - 28 + 28 / zdp)
+    opt_bytes = p_local * (wl.OPTIMIZER_BYTES_PER_PARAM - wl.ADAMW_BYTES_PER_PARAM + sys.adamw_bytes / zdp)
     optimizer = opt_bytes / (cluster.hbm_bw() * eff.elementwise_efficiency())
     host = eff.host_gap_s()
     step = makespan + p2p + ticks + sync_exposed + optimizer + host

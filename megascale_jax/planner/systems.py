@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from megascale_jax.planner import efficiency
+from megascale_jax.planner import workload as wl
 
 INTER_OP = 0.5
 FUSED = 0.9
@@ -39,6 +40,8 @@ class System:
     zero1_gather_bytes: int      # bytes per parameter all-gathered after a sharded update
     sar_formula: bool            # activation memory from the paper's SP+EP formulas
     grouped_gemm: str = "pallas"
+    adamw_bytes: float = wl.ADAMW_BYTES_PER_PARAM   # the update pass's HBM bytes a parameter (read p, g, m, v;
+    #                                                 write p, m, v)
     expert_load: float = 1.0     # busiest device's routed rows / the mean under EP (1 = balanced; the paper
     #                              drops tokens over a per-device capacity it does not state)
     attention_speed: float = 1.0     # attention-core rate relative to our measured cuDNN rate (sensitivity)
@@ -52,11 +55,14 @@ class System:
     notes: str = ""
 
 
-def ours(grouped_gemm: str = "pallas", tail: bool = True) -> System:
-    """This code (main at 0a0a90b) as measured: fp32 master weights and gradients, Adam moments fp32."""
+def ours(grouped_gemm: str = "pallas", tail: bool = True, moments_dtype: str = "float32") -> System:
+    """This code (main at 0a0a90b) as measured: fp32 master weights and gradients, Adam moments fp32 (or
+    `train.adam_moments_dtype`'s bfloat16: 2 bytes a moment, 8 fewer bytes a parameter in the update pass)."""
+    moment = 2.0 if moments_dtype == "bfloat16" else 4.0
     return System("ours", padded_dispatch=True, tail_cost=efficiency.ep_tail_cost() if tail else 0.0,
                   layer_hidden=efficiency.xla_async_hidden(), dp_hidden=0.0, p2p_hidden=0.0,
-                  pipeline_recompute=True, param_bytes=8.0, optimizer_bytes=8.0, zero1_gather_bytes=4,
+                  pipeline_recompute=True, param_bytes=8.0, optimizer_bytes=2 * moment, zero1_gather_bytes=4,
+                  adamw_bytes=wl.ADAMW_BYTES_PER_PARAM - 4 * (4.0 - moment),
                   sar_formula=False, grouped_gemm=grouped_gemm, selective="ours",
                   notes="padded dropless EP buffers" + ("" if tail else " (tail rows skipped)") + "; XLA async "
                         "overlap; lock-step pipeline ticks with stage recompute; gradient sync after the backward")

@@ -22,8 +22,10 @@ RECIPES = {"megascale": ("sp", "ep"), "megatron_tp": ("tp", "tp"), "tp_ep": ("tp
 BF16 = 2
 # Bytes of elementwise HBM traffic per parameter per optimizer step in this code (fp32 master weights):
 # bf16 cast for compute 6 (read 4 + write 2), wgrad cast to fp32 6, gradient add into the fp32 accumulator
-# 12, global-norm clip 4, AdamW 28 (read p, g, m, v; write p, m, v).
-OPTIMIZER_BYTES_PER_PARAM = 56
+# 12, global-norm clip 4, AdamW 28 (read p, g, m, v; write p, m, v; ZeRO-1 shards this part, and bfloat16
+# moments make it 20: `systems.System.adamw_bytes`).
+ADAMW_BYTES_PER_PARAM = 28
+OPTIMIZER_BYTES_PER_PARAM = 28 + ADAMW_BYTES_PER_PARAM
 # Loss: fp32 upcast of the bf16 logits (2 + 4), logsumexp read (4), softmax gradient read + write (4 + 4),
 # cast back to bf16 (2) -> bytes per token per vocabulary entry.
 LOSS_BYTES_PER_LOGIT = 20
