@@ -55,8 +55,9 @@ _EXTRA = "extra"
 _MAX_LISTED_MISMATCHES = 8
 _MAX_LISTED_NONFINITE = 3
 _CONFIG_CHANGED_HINT = (
-    "The model/optimizer config probably changed since this checkpoint was written: restore with "
-    "the config it was written with, or start a fresh run with a new --config.checkpoint.dir."
+    "The model/optimizer config probably changed since this checkpoint was written (model dimensions, "
+    "train.param_dtype, train.adam_moments_dtype, ...): restore with the config it was written with, or start a "
+    "fresh run with a new --config.checkpoint.dir."
 )
 
 

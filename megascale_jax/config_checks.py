@@ -151,7 +151,7 @@ def _validate_ranges(cfg) -> None:
         _in_range(f"train.{key}", value, 0 <= value < 1, "in [0, 1)", "Adam's decay rates, e.g. 0.9 / 0.95")
         if t.adam_moments_dtype == MomentsDType.BFLOAT16:
             _in_range(f"train.{key}", value, 1 - value >= BF16_MIN_MOMENT_STEP,
-                      f"<= {1 - BF16_MIN_MOMENT_STEP:.4f} with train.adam_moments_dtype='bfloat16' (a step moves the "
+                      f"<= {1 - BF16_MIN_MOMENT_STEP} with train.adam_moments_dtype='bfloat16' (a step moves the "
                       "moment by 1 - decay of itself, finer than bfloat16 keeps)",
                       "lower it or set train.adam_moments_dtype='float32'")
     _in_range("train.weight_decay", t.weight_decay, finite(t.weight_decay) and t.weight_decay >= 0, ">= 0")

@@ -3,8 +3,8 @@
 Weight decay applies to matrices only (ndim >= 2): norms' scales are left alone, as is customary.
 Adam's moments are stored in `train.adam_moments_dtype` (float32, or bfloat16 as DeepSeek-V3 trains): the update
 is computed in float32 either way; bfloat16 storage saves 4 of the 8 bytes a parameter the moments take and
-8 of the ~28 bytes a parameter the update pass moves (one pass at HBM speed: 10.3 ms of deepseekmoe_small's H200
-step in float32).
+8 of the ~28 bytes a parameter the update pass moves (one pass at HBM speed: 10.2 + 1.5 ms of deepseekmoe_small's
+H200 step in float32).
 Clipping is not part of the optax chain: the step's updaters (megascale_jax/step.py, parallel/zero.py)
 compute the global norm themselves, because per device each holds only shards of the gradient.
 """
@@ -29,23 +29,33 @@ class MomentsDType(StrEnum):
     BFLOAT16 = "bfloat16"
 
 
-# A stored moment moves by (1 - b) of itself per step; bfloat16 keeps 8 significant bits, so steps finer than
-# 2^-7 would round away (b2 = 0.999 adds 0.001 of the new square: lost). config_checks refuses such decays.
+# A stored moment moves by (1 - b) of itself per step; bfloat16 keeps 8 significant bits, so a step under half
+# its spacing (2^-9..2^-8 of the value) rounds away: b2 = 0.999 adds 0.001 of the new square and is lost. 2^-7 is
+# the bound config_checks enforces, with a margin.
 BF16_MIN_MOMENT_STEP = 2.0 ** -7
 
 
 def scale_by_adam(b1: float, b2: float, moments_dtype: str) -> optax.GradientTransformation:
-    """optax.scale_by_adam with both moments stored in `moments_dtype`. optax stores the first moment in
-    mu_dtype and keeps the second in its state's dtype (it casts the new value like the old), so giving it a
-    second moment of that dtype at init is all it takes; the arithmetic (float32 gradients and update) is optax's."""
+    """optax.scale_by_adam with both moments stored in `moments_dtype`: each update widens the stored moments to
+    float32, runs optax's float32 arithmetic and rounds the new moments once. Why not optax's mu_dtype alone: it
+    leaves the second moment in float32, and a moment held in bfloat16 during optax's update makes jax round the
+    decay rates themselves to bfloat16 (0.9 -> 0.8984), a bias every step."""
     dtype = jnp.dtype(MomentsDType(moments_dtype).value)
-    adam = optax.scale_by_adam(b1=b1, b2=b2, mu_dtype=dtype)
+    adam = optax.scale_by_adam(b1=b1, b2=b2)
+    if dtype == jnp.float32:
+        return adam
+
+    def stored(state, cast):
+        return state._replace(mu=jax.tree.map(cast, state.mu), nu=jax.tree.map(cast, state.nu))
 
     def init(params):
-        state = adam.init(params)
-        return state._replace(nu=jax.tree.map(lambda v: v.astype(dtype), state.nu))
+        return stored(adam.init(params), lambda m: m.astype(dtype))
 
-    return optax.GradientTransformation(init, adam.update)
+    def update(updates, state, params=None):
+        updates, state = adam.update(updates, stored(state, lambda m: m.astype(jnp.float32)), params)
+        return updates, stored(state, lambda m: m.astype(dtype))
+
+    return optax.GradientTransformation(init, update)
 
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
@@ -57,7 +67,8 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
     """AdamW on a parameter pytree (elementwise, so it runs on each device's shards as well): optax.adamw's
-    chain (the same state structure, so checkpoints carry over) with the moments stored as configured."""
+    chain (the same state structure: a checkpoint written by optax.adamw restores, float32 parameters and
+    moments alike) with the moments stored as configured."""
     t = train_cfg
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     return optax.chain(scale_by_adam(t.b1, t.b2, t.adam_moments_dtype),
@@ -78,7 +89,8 @@ def make_flat_optimizer(train_cfg, decay_mask_flat) -> optax.GradientTransformat
     itself). The weight-decay mask is a flat 0/1 vector kept *in the optimizer
     state*, so ZeRO-1 shards it with the other state and each rank decays exactly its slice's matrices."""
     t = train_cfg
-    return optax.chain(scale_by_adam(t.b1, t.b2, t.adam_moments_dtype), _masked_weight_decay(t.weight_decay, decay_mask_flat),
+    return optax.chain(scale_by_adam(t.b1, t.b2, t.adam_moments_dtype),
+                       _masked_weight_decay(t.weight_decay, decay_mask_flat),
                        optax.scale_by_learning_rate(learning_rate_schedule(t)))
 
 

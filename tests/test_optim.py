@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from megascale_jax.config import ConfigError, default_config
-from megascale_jax.optim import flat_decay_mask, learning_rate_schedule, make_optimizer
+from megascale_jax.optim import flat_decay_mask, learning_rate_schedule, make_optimizer, scale_by_adam
 
 
 def test_flat_decay_mask_marks_matrix_elements_and_leaves_padding_undecayed():
@@ -43,15 +43,28 @@ def test_float32_moments_are_optax_adamw_exactly():
     jax.tree.map(np.testing.assert_array_equal, _run(ours, params, grads), _run(adamw, params, grads))
 
 
-def test_bfloat16_moments_stay_bfloat16_and_follow_the_float32_run():
+def test_bfloat16_moments_are_float32_adam_with_its_moments_rounded_after_each_update():
+    """The exact twin: optax's float32 scale_by_adam whose moments are rounded to bfloat16 after every update.
+    Moments far from zero (a gradient of mean 1) make any rounding of the decay rates themselves show."""
+    params, grads = _grads_and_params()
+    grads = [jax.tree.map(lambda g: 1.0 + 300 * g, gs) for gs in grads * 2]   # 8 updates
+    ours, plain = scale_by_adam(0.9, 0.95, "bfloat16"), optax.scale_by_adam(0.9, 0.95)
+    rounded = lambda m: m.astype(jnp.bfloat16).astype(jnp.float32)   # noqa: E731
+    state, ref = ours.init(params), plain.init(params)
+    for g in grads:
+        updates, state = ours.update(g, state, params)
+        ref_updates, ref = plain.update(g, ref, params)
+        ref = ref._replace(mu=jax.tree.map(rounded, ref.mu), nu=jax.tree.map(rounded, ref.nu))
+        jax.tree.map(np.testing.assert_array_equal, updates, ref_updates)
+    for stored, want in zip(jax.tree.leaves((state.mu, state.nu)), jax.tree.leaves((ref.mu, ref.nu))):
+        assert stored.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(stored.astype(jnp.float32), want)
+
+
+def test_bfloat16_moments_follow_the_float32_run():
     f32 = default_config("tiny_cpu", **{"train.warmup_steps": 1}).train
     bf16 = default_config("tiny_cpu", **{"train.warmup_steps": 1, "train.adam_moments_dtype": "bfloat16"}).train
     params, grads = _grads_and_params()
-    # one update from zero moments: the stored moments are the float32 ones rounded to bfloat16
-    (_, state32), (_, state16) = _run(make_optimizer(f32), params, grads[:1]), _run(make_optimizer(bf16), params, grads[:1])
-    for m32, m16 in zip(jax.tree.leaves((state32[0].mu, state32[0].nu)), jax.tree.leaves((state16[0].mu, state16[0].nu))):
-        assert m16.dtype == jnp.bfloat16
-        np.testing.assert_array_equal(m16, m32.astype(jnp.bfloat16))
     (p32, _), (p16, state16) = _run(make_optimizer(f32), params, grads), _run(make_optimizer(bf16), params, grads)
     assert {x.dtype for x in jax.tree.leaves((state16[0].mu, state16[0].nu))} == {jnp.dtype(jnp.bfloat16)}
     for a, b, p in zip(jax.tree.leaves(p16), jax.tree.leaves(p32), jax.tree.leaves(params)):

@@ -112,6 +112,9 @@ def test_take_top_k_equals_top_k_values_and_their_gradient():
 
     np.testing.assert_array_equal(take_top_k(probs, idx), jax.lax.top_k(probs, 4)[0])
     np.testing.assert_array_equal(jax.grad(ours)(probs), jax.grad(plain)(probs))
+    # what the backward keeps: the inputs, not the [T, K, E] mask (recomputed; a stacked layer loop keeps residuals)
+    _, pull = jax.vjp(lambda p: take_top_k(p, idx), probs)
+    assert all(r.size <= probs.size for r in jax.tree.leaves(pull)), [r.shape for r in jax.tree.leaves(pull)]
 
 
 def test_shared_expert_gate_scales_the_shared_output_per_token():
