@@ -16,7 +16,7 @@ from megascale_jax.model.layers import CrossEntropyImpl, TiedHeadScale
 from megascale_jax.model.moe.experts import GroupedGemmImpl, GroupedGemmTail, SwigluImpl
 from megascale_jax.model.moe.router import RouterKind
 from megascale_jax.model.transformer import Remat
-from megascale_jax.optim import BF16_MIN_MOMENT_STEP, MomentsDType, NonFinite
+from megascale_jax.optim import BF16_MIN_MOMENT_STEP, NonFinite
 from megascale_jax.parallel.grad_comm import GradComm
 from megascale_jax.parallel.pipeline_schedules import Schedule, validate_schedule_args
 from megascale_jax.parallel.expert_runs import DispatchExchange
@@ -54,7 +54,7 @@ CHOICES = {
     "model.attention_kind": _values(AttentionKind), "model.moe.router_kind": _values(RouterKind),
     "train.remat": _values(Remat), "train.nonfinite": _values(NonFinite), "train.param_dtype": _values(DType),
     "train.compute_dtype": _values(DType),
-    "train.adam_moments_dtype": _values(MomentsDType),
+    "train.adam_moments_dtype": _values(DType),
     "data.source": tuple(data_lib.SOURCE_KINDS), "data.dtype": tuple(data_lib.TOKEN_FILE_DTYPES),
 }
 
@@ -149,7 +149,7 @@ def _validate_ranges(cfg) -> None:
     for key in ("b1", "b2"):
         value = getattr(t, key)
         _in_range(f"train.{key}", value, 0 <= value < 1, "in [0, 1)", "Adam's decay rates, e.g. 0.9 / 0.95")
-        if t.adam_moments_dtype == MomentsDType.BFLOAT16:
+        if t.adam_moments_dtype == DType.BFLOAT16:
             _in_range(f"train.{key}", value, 1 - value >= BF16_MIN_MOMENT_STEP,
                       f"<= {1 - BF16_MIN_MOMENT_STEP} with train.adam_moments_dtype='bfloat16' (a step moves the "
                       "moment by 1 - decay of itself, finer than bfloat16 keeps)",

@@ -24,11 +24,6 @@ class NonFinite(StrEnum):
     SKIP = "skip"    # parameters and optimizer state stay as they were; the step is counted
 
 
-class MomentsDType(StrEnum):
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-
-
 # A stored moment moves by (1 - b) of itself per step; bfloat16 keeps 8 significant bits, so a step under half
 # its spacing (2^-9..2^-8 of the value) rounds away: b2 = 0.999 adds 0.001 of the new square and is lost. 2^-7 is
 # the bound config_checks enforces, with a margin.
@@ -36,11 +31,12 @@ BF16_MIN_MOMENT_STEP = 2.0 ** -7
 
 
 def scale_by_adam(b1: float, b2: float, moments_dtype: str) -> optax.GradientTransformation:
-    """optax.scale_by_adam with both moments stored in `moments_dtype`: each update widens the stored moments to
+    """optax.scale_by_adam with both moments stored in `moments_dtype` ('float32' | 'bfloat16', checked by
+    config_checks): each update widens the stored moments to
     float32, runs optax's float32 arithmetic and rounds the new moments once. Why not optax's mu_dtype alone: it
     leaves the second moment in float32, and a moment held in bfloat16 during optax's update makes jax round the
     decay rates themselves to bfloat16 (0.9 -> 0.8984), a bias every step."""
-    dtype = jnp.dtype(MomentsDType(moments_dtype).value)
+    dtype = jnp.dtype(moments_dtype)
     adam = optax.scale_by_adam(b1=b1, b2=b2)
     if dtype == jnp.float32:
         return adam

@@ -58,7 +58,7 @@ class System:
 def ours(grouped_gemm: str = "pallas", tail: bool = True, moments_dtype: str = "float32") -> System:
     """This code (main at 0a0a90b) as measured: fp32 master weights and gradients, Adam moments fp32 (or
     `train.adam_moments_dtype`'s bfloat16: 2 bytes a moment, 8 fewer bytes a parameter in the update pass)."""
-    moment = {"float32": 4.0, "bfloat16": 2.0}[moments_dtype]   # optim.MomentsDType's values
+    moment = {"float32": 4.0, "bfloat16": 2.0}[moments_dtype]   # config_checks.DType's values
     return System("ours", padded_dispatch=True, tail_cost=efficiency.ep_tail_cost() if tail else 0.0,
                   layer_hidden=efficiency.xla_async_hidden(), dp_hidden=0.0, p2p_hidden=0.0,
                   pipeline_recompute=True, param_bytes=8.0, optimizer_bytes=2 * moment, zero1_gather_bytes=4,
