@@ -7,8 +7,9 @@ and each instruction's metadata names the jax op and its stack frame.
                                               "where": "megascale_jax/model/moe/experts.py:88 (swiglu)"}
 
 `where` is the innermost frame inside this project (megascale_jax/, pallas_kernels/, benchmarks/), else the
-innermost frame. A fusion without metadata of its own takes its fused computation's root's. gpu_trace.breakdown
-attaches these to its largest kernels, so a profile names the line that costs the time, not only the fusion.
+innermost frame. A fusion without metadata of its own takes its fused computation's root's; a Pallas Triton
+kernel is also listed under the kernel name its custom call's backend_config gives (the name the trace shows).
+gpu_trace.breakdown attaches these to its largest kernels, so a profile names the line that costs the time.
 """
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ _METADATA = re.compile(r"metadata=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
+# A Pallas (Triton) kernel is a custom call whose GPU trace name is the kernel's own, given in the call's
+# backend_config as name = "..." (printed with or without spaces and escaped quotes), not the instruction's.
+_TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
+_KERNEL_NAME = re.compile(r'(?<![\w])name\s*=\s*\\?"([\w.\-]+)')
 _SECTIONS = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 
 
@@ -95,6 +100,10 @@ def instruction_sources(hlo_text: str) -> dict[str, dict]:
             entry = {"op": op.group(1) if op else None,
                      "where": _resolve(int(frame.group(1)), tables, cache) if frame else None}
             out.setdefault(name, entry)
+            if _TRITON_CALL in line and "backend_config=" in line:
+                kernel = _KERNEL_NAME.search(line.split("backend_config=", 1)[1])
+                if kernel:
+                    out.setdefault(kernel.group(1), entry)
             if line.lstrip().startswith("ROOT") and computation:
                 roots[computation] = entry
     for name, computation in calls.items():   # a fusion with no metadata of its own: its root's

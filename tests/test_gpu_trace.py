@@ -148,3 +148,25 @@ def test_bench_train_refuses_source_flags_that_would_do_nothing(flags, message, 
     with pytest.raises(SystemExit):
         bench_train.main()
     assert message in capsys.readouterr().err
+
+
+def test_a_pallas_triton_kernel_is_found_under_its_own_name():
+    """The trace names a Pallas Triton kernel after the `name` in its custom call's backend_config (its HLO
+    instruction is folded into a command buffer), printed with or without escaped quotes."""
+    from benchmarks.hlo_sources import instruction_sources
+    meta = 'metadata={op_name="jit(step)/pallas_call" source_file="/x/megascale_jax/model/layers.py" source_line=9}'
+    text = "\n".join([
+        "HloModule jit_step", "",
+        "ENTRY %main (p: bf16[8,16]) -> f32[8] {",
+        '  %custom-call.3 = f32[8] custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", '
+        f'{meta}, backend_config={{debug = false, ir = "\\4D\\4C", name = "cross_entropy_forward", num_warps = 4}}',
+        '  %custom-call.4 = f32[8] custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", '
+        f'{meta}, backend_config="{{grid_x = 8 : i32, name = \\"cross_entropy_backward\\"}}"',
+        '  ROOT %custom-call.5 = f32[8] custom-call(%p), custom_call_target="other", '
+        f'{meta}, backend_config={{name = "not_a_triton_kernel"}}',
+        "}"])
+    sources = instruction_sources(text)
+    assert sources["cross_entropy_forward"] == sources["custom-call.3"]
+    assert sources["cross_entropy_backward"] == sources["custom-call.4"]
+    assert sources["cross_entropy_forward"]["op"] == "jit(step)/pallas_call"
+    assert "not_a_triton_kernel" not in sources and "num_warps" not in sources
