@@ -2,7 +2,6 @@
 dense SwiGLU MLP."""
 from __future__ import annotations
 
-import functools
 import math
 from enum import StrEnum
 
@@ -10,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
-from pallas_kernels.varying import match_varying
 
 
 def _truncated_normal_std(bound: float) -> float:
@@ -65,37 +63,11 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.scale[...], self.eps)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x, scale, eps: float):
-    """RMSNorm over the last dim in float32, output in x's dtype (RMSNorm's arithmetic, on explicit arrays).
-
-    The backward is written by hand (`_rms_norm_bwd`) and keeps only x and scale: autodiff of the forward
-    kept float32 intermediates and split the backward into passes that read about three times the norm's
-    bytes (H200 profile, mixtral_small: ~9.5 ms of norms a step). Twin: autodiff of the same forward
-    (tests/model/test_layers.py)."""
+    """RMSNorm over the last dim in float32, output in x's dtype (RMSNorm's arithmetic, on explicit arrays)."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
-
-
-def _rms_norm_fwd(x, scale, eps):
-    return rms_norm(x, scale, eps), (x, scale)
-
-
-def _rms_norm_bwd(eps, residuals, dy):
-    """With r = rsqrt(mean(x^2) + eps) recomputed and g = dy * scale: dx = r (g - x r^2 mean(g x)) per row,
-    dscale = the sum over rows of dy x r; all in float32."""
-    x, scale = residuals
-    xf, dyf = x.astype(jnp.float32), dy.astype(jnp.float32)
-    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    g = dyf * scale.astype(jnp.float32)
-    dx = r * (g - xf * (r * r) * jnp.mean(g * xf, axis=-1, keepdims=True))
-    dscale = jnp.sum((dyf * xf * r).reshape(-1, x.shape[-1]), axis=0)
-    return (match_varying(dx.astype(x.dtype), x, dy, scale),
-            match_varying(dscale.astype(scale.dtype), scale, x, dy))
-
-
-rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def rope(x_BSHD, positions_BS, theta: float):
@@ -220,33 +192,4 @@ def swiglu_in(x_TD, w_gate_DF, w_up_DF):
 
 def swiglu_out(gate, up, w_down_FD):
     """SwiGLU's activation and last GEMM: (silu(gate) * up) @ down."""
-    return swiglu_activation(gate, up) @ w_down_FD.astype(gate.dtype)
-
-
-@jax.custom_vjp
-def swiglu_activation(gate, up):
-    """SwiGLU's activation silu(gate) * up in the inputs' dtype (experts, shared experts, dense MLPs).
-
-    The backward is written by hand (`_swiglu_activation_bwd`): both cotangents from one float32 expression
-    of (gate, up, dh), so one pass can read each once. Autodiff's backward became two fusions on the H200,
-    each re-reading the cotangent and gate (mixtral_small: 5.99 + 7.63 ms against a 5.95 ms forward).
-    Twin: autodiff of the same forward (tests/model/test_layers.py)."""
-    return jax.nn.silu(gate) * up
-
-
-def _swiglu_activation_fwd(gate, up):
-    return swiglu_activation(gate, up), (gate, up)
-
-
-def _swiglu_activation_bwd(residuals, dh):
-    """d up = dh silu(g); d gate = dh u s (1 + g (1 - s)) with s = sigmoid(g); in float32, rounded once."""
-    gate, up = residuals
-    g, u, d = gate.astype(jnp.float32), up.astype(jnp.float32), dh.astype(jnp.float32)
-    s = jax.nn.sigmoid(g)
-    d_gate = d * u * s * (1.0 + g * (1.0 - s))
-    d_up = d * g * s
-    return (match_varying(d_gate.astype(gate.dtype), gate, dh, up),
-            match_varying(d_up.astype(up.dtype), up, dh, gate))
-
-
-swiglu_activation.defvjp(_swiglu_activation_fwd, _swiglu_activation_bwd)
+    return (jax.nn.silu(gate) * up) @ w_down_FD.astype(gate.dtype)

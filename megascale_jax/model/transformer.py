@@ -37,8 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from megascale_jax.model.attention import ATTENTIONS, attention_core, project_out
 from megascale_jax.model.layers import (CrossEntropyImpl, DenseMLP, Embedding, RMSNorm, cross_entropy, output_logits,
-                                        pallas_cross_entropy, param, rms_norm, swiglu_activation,
-                                        swiglu_in, swiglu_out)
+                                        pallas_cross_entropy, param, rms_norm, swiglu_in, swiglu_out)
 from megascale_jax.model.moe.experts import ExpertWeights, grouped_gemm_fn, grouped_gemm_grads
 from megascale_jax.model.moe.layer import MoEFFN, gate_shared_output
 from megascale_jax.model.moe.router import Routing, route, router_logits
@@ -225,7 +224,7 @@ class MoEBlockMath:
 
     def activation(self, gate, up):
         """SwiGLU's activation (experts and shared experts): silu(gate) * up."""
-        return swiglu_activation(gate, up)
+        return jax.nn.silu(gate) * up
 
     def dense_in(self, h_TD, w_gate_DF, w_up_DF):
         """The shared experts' first GEMMs (layers.DenseMLP)."""

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from pallas_kernels.varying import vary_like
 
-from megascale_jax.model.layers import param, swiglu_activation
+from megascale_jax.model.layers import param
 
 
 class GroupedGemmImpl(StrEnum):
@@ -192,7 +192,7 @@ def expert_hidden(x_MD, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm
     # Named for the selective remat policy (model/transformer.py): GEMM outputs are kept, the activation is not.
     gate = checkpoint_name(gemm(x_MD, weights.gate_EDF.astype(dt), group_sizes_E), "expert_gate")
     up = checkpoint_name(gemm(x_MD, weights.up_EDF.astype(dt), group_sizes_E), "expert_up")
-    return swiglu_activation(gate, up)
+    return jax.nn.silu(gate) * up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +210,7 @@ class FirstExpertGemms:
     def from_gate(self, x_MD, gate_MF, group_sizes_E):
         gate = checkpoint_name(gate_MF, "expert_gate")
         up = checkpoint_name(self.gemm(x_MD, self.weights.up_EDF.astype(x_MD.dtype), group_sizes_E), "expert_up")
-        return swiglu_activation(gate, up)
+        return jax.nn.silu(gate) * up
 
 
 @dataclasses.dataclass(frozen=True)
