@@ -88,6 +88,7 @@ def get_config() -> ConfigDict:
     c.kernels.grouped_gemm_tail = "auto"
     c.kernels.cross_entropy = "auto"  # auto | xla | pallas (the loss head's softmax passes; auto: pallas on GPU per device)
     c.kernels.swiglu = "separate"     # separate | fused (first expert GEMMs + SwiGLU in one kernel; not faster yet)
+    #                                 | separate_pallas_bwd (the activation's backward in one Pallas pass; unmeasured)
     c.kernels.attention = "auto"      # xla | cudnn | auto (cudnn on GPU with bf16)
 
     c.train = ConfigDict()

@@ -73,7 +73,8 @@ def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
     # experts split over ranks: each rank's expert GEMMs run on a receive buffer sized for the worst routing
     expert_parallel = plan.kind == PlanKind.MANUAL and plan.ffn == FFNPlan.EP and plan.intra > 1
     try:
-        swiglu = resolve_swiglu(cfg.kernels.swiglu, grouped_gemm=grouped_gemm, ffn=ffn, remat=cfg.train.remat,
+        swiglu = resolve_swiglu(cfg.kernels.swiglu, backend=backend, grouped_gemm=grouped_gemm, ffn=ffn,
+                                remat=cfg.train.remat,
                                 macro_layer=cfg.parallel.moe_layer == MoELayer.MACRO)
         tail = resolve_grouped_gemm_tail(cfg.kernels.grouped_gemm_tail, grouped_gemm=grouped_gemm,
                                          expert_parallel=expert_parallel)

@@ -164,13 +164,48 @@ def test_fused_swiglu_layer_equals_the_separate_form(monkeypatch):
 def test_swiglu_choice_resolves_by_what_can_run():
     from megascale_jax.model.moe.experts import resolve_swiglu
 
-    ok = dict(grouped_gemm="pallas", ffn=14336, remat="none", macro_layer=False)
-    assert resolve_swiglu("fused", **ok) == "fused" and resolve_swiglu("separate", **ok) == "separate"
+    ok = dict(backend="gpu", grouped_gemm="pallas", ffn=14336, remat="none", macro_layer=False)
+    for choice in ("fused", "separate", "separate_pallas_bwd"):
+        assert resolve_swiglu(choice, **ok) == choice
     for change, reason in [(dict(grouped_gemm="xla"), "kernels.grouped_gemm is 'xla'"), (dict(ffn=1400), "1400"),
-                           (dict(remat="selective"), "remat='selective'"), (dict(macro_layer=True), "macro")]:
+                           (dict(remat="selective"), "remat='selective'"), (dict(macro_layer=True), "macro"),
+                           (dict(backend="cpu"), "Mosaic GPU")]:
         assert resolve_swiglu("separate", **{**ok, **change}) == "separate"
         with pytest.raises(ValueError, match=reason):
             resolve_swiglu("fused", **{**ok, **change})
+    # the kernel backward needs only a GPU (any grouped GEMM, FFN width, remat) and the autodiff MoE layer
+    for change in (dict(grouped_gemm="xla"), dict(ffn=1400), dict(remat="selective")):
+        assert resolve_swiglu("separate_pallas_bwd", **{**ok, **change}) == "separate_pallas_bwd"
+    for change, reason in [(dict(backend="cpu"), "backend is 'cpu'"), (dict(macro_layer=True), "macro")]:
+        with pytest.raises(ValueError, match=reason):
+            resolve_swiglu("separate_pallas_bwd", **{**ok, **change})
+
+
+def test_experts_with_the_kernel_backward_equal_the_separate_form(monkeypatch):
+    """kernels.swiglu='separate_pallas_bwd' (its Pallas backward in interpret mode) against 'separate': the
+    experts' output and the gradients of x and all three weights, in bf16 (one rounding apart at most)."""
+    from megascale_jax.model.moe import experts
+    from pallas_kernels import swiglu_backward as kernel
+
+    compiled = kernel.swiglu_backward
+    monkeypatch.setattr(kernel, "swiglu_backward", lambda *a, **kw: compiled(*a, **{**kw, "interpret": True}))
+    e, d, f, m = 4, 32, 48, 40
+    keys = jax.random.split(jax.random.key(5), 5)
+    x = jax.random.normal(keys[0], (m, d), jnp.float32).astype(jnp.bfloat16)
+    weights = experts.ExpertWeights(*(0.2 * jax.random.normal(k, s, jnp.float32) for k, s in
+                                      zip(keys[1:4], ((e, d, f), (e, d, f), (e, f, d)))))
+    group_sizes = jnp.array([10, 0, 17, 13], jnp.int32)
+    dy = jax.random.normal(keys[4], (m, d), jnp.float32).astype(jnp.bfloat16)
+    gemm = experts.grouped_gemm_fn("xla", "kernel")
+
+    def run(swiglu):
+        y, pull = jax.vjp(lambda x, w: experts.swiglu_experts(x, w, group_sizes, gemm, swiglu), x, weights)
+        return y, pull(dy)
+    (y, grads), (y_want, grads_want) = run("separate_pallas_bwd"), run("separate")
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_want, np.float32))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_want)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max()
 
 
 def test_grouped_gemm_tail_resolves_to_mask_only_for_pallas_under_expert_parallelism():

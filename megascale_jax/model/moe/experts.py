@@ -14,6 +14,8 @@ layer) can differentiate them, and a dispatcher can take the first (`expert_hidd
   separate  two `gemm` calls, then silu(gate) * up (the twin; XLA fuses the activation into one pass);
   fused     pallas_kernels/grouped_swiglu.py: both GEMMs and the activation in one kernel (no pass that
             reads the two products back); its backward is the separate form's.
+  separate_pallas_bwd  as separate, with the activation's backward in one Pallas pass
+            (pallas_kernels/swiglu_backward.py) where XLA makes two that each read dh and gate.
 """
 from __future__ import annotations
 
@@ -110,31 +112,39 @@ def grouped_gemm_fn(implementation: str, zero_tail: str = GroupedGemmTail.KERNEL
 class SwigluImpl(StrEnum):
     """No 'auto': on the H200 the fused kernel has not beaten the separate form (bench_grouped_swiglu_h200.json:
     Mixtral forward 6.13 vs 6.18 ms at its best tiles, fwd+bwd slower; the block 36.87 vs 36.39 ms), so it is
-    chosen by hand, where a user wants to measure it."""
+    chosen by hand, where a user wants to measure it; so is separate_pallas_bwd until a step measures it."""
     SEPARATE = "separate"
     FUSED = "fused"
+    SEPARATE_PALLAS_BWD = "separate_pallas_bwd"
 
 
-def swiglu_unsupported_reason(*, grouped_gemm: str, ffn: int, remat: str, macro_layer: bool) -> str | None:
-    """Why the fused first GEMMs + SwiGLU cannot (or should not) run for this model, or None. The fused op is
-    one custom VJP: under a remat policy that keeps the GEMM outputs by name ('selective') it would be rerun
-    whole (its GEMMs too) to get h back, and the macro layer writes its own backward from the separate calls."""
-    if grouped_gemm != GroupedGemmImpl.PALLAS:
+def swiglu_unsupported_reason(choice: str, *, backend: str, grouped_gemm: str, ffn: int, remat: str,
+                              macro_layer: bool) -> str | None:
+    """Why `choice` (a SwigluImpl) cannot (or should not) run for this model, or None. The fused op is one custom
+    VJP: under a remat policy that keeps the GEMM outputs by name ('selective') it would be rerun whole (its GEMMs
+    too) to get h back, and the macro layer writes its own backward from the separate calls (and takes the
+    activation's pullback from MoEBlockMath.activation, which the kernel backward is not wired into)."""
+    if choice == SwigluImpl.SEPARATE:
+        return None
+    if macro_layer:
+        return "parallel.moe_layer='macro' writes the expert backward from the separate GEMM calls"
+    if choice == SwigluImpl.SEPARATE_PALLAS_BWD:
+        return None if backend == "gpu" else f"its backward is a Pallas GPU kernel and the backend is {backend!r}"
+    if backend != "gpu" or grouped_gemm != GroupedGemmImpl.PALLAS:
         return f"it is a Mosaic GPU kernel beside the pallas grouped GEMM, and kernels.grouped_gemm is {grouped_gemm!r}"
     if ffn % 128:
         return f"its tiles are 128 FFN columns wide and the per-device expert FFN is {ffn}"
     if remat == "selective":
         return "train.remat='selective' keeps the two GEMM outputs by name, which the fused op does not expose"
-    if macro_layer:
-        return "parallel.moe_layer='macro' writes the expert backward from the separate GEMM calls"
     return None
 
 
 def resolve_swiglu(choice: str, **why) -> str:
-    """The choice, checked: 'fused' where `swiglu_unsupported_reason(**why)` names a reason is an error."""
-    reason = swiglu_unsupported_reason(**why)
-    if choice == SwigluImpl.FUSED and reason:
-        raise ValueError(f"config.kernels.swiglu='fused' cannot run here: {reason}; use 'separate'")
+    """The choice, checked: one for which `swiglu_unsupported_reason(choice, **why)` names a reason is an error."""
+    choice = SwigluImpl(choice)
+    reason = swiglu_unsupported_reason(choice, **why)
+    if reason:
+        raise ValueError(f"config.kernels.swiglu={choice.value!r} cannot run here: {reason}; use 'separate'")
     return SwigluImpl(choice).value
 
 
@@ -192,6 +202,15 @@ def expert_hidden(x_MD, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm
     # Named for the selective remat policy (model/transformer.py): GEMM outputs are kept, the activation is not.
     gate = checkpoint_name(gemm(x_MD, weights.gate_EDF.astype(dt), group_sizes_E), "expert_gate")
     up = checkpoint_name(gemm(x_MD, weights.up_EDF.astype(dt), group_sizes_E), "expert_up")
+    return swiglu_activation(gate, up, swiglu)
+
+
+def swiglu_activation(gate, up, swiglu: str):
+    """silu(gate) * up; with 'separate_pallas_bwd' its backward is one Pallas pass (same values, see the kernel)."""
+    if swiglu == SwigluImpl.SEPARATE_PALLAS_BWD:
+        from pallas_kernels.swiglu_backward import swiglu_with_kernel_backward
+
+        return swiglu_with_kernel_backward(gate, up)
     return jax.nn.silu(gate) * up
 
 
@@ -210,7 +229,7 @@ class FirstExpertGemms:
     def from_gate(self, x_MD, gate_MF, group_sizes_E):
         gate = checkpoint_name(gate_MF, "expert_gate")
         up = checkpoint_name(self.gemm(x_MD, self.weights.up_EDF.astype(x_MD.dtype), group_sizes_E), "expert_up")
-        return jax.nn.silu(gate) * up
+        return swiglu_activation(gate, up, self.swiglu)
 
 
 @dataclasses.dataclass(frozen=True)
