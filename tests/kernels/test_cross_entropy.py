@@ -13,6 +13,7 @@ import pytest
 from megascale_jax.model.layers import (CrossEntropyImpl, cross_entropy, pallas_cross_entropy,
                                         resolve_cross_entropy)
 from pallas_kernels.cross_entropy import CHUNK, cross_entropy_per_token
+from tests.kernels.triton_lowering import lowered_train_step_for_cuda
 
 
 def _case(tokens, vocab, seed=0, scale=8.0):
@@ -160,28 +161,8 @@ def test_gpu_inside_a_checked_shard_map():
 
 
 def test_the_train_step_with_the_pallas_cross_entropy_lowers_for_the_gpu(monkeypatch):
-    """The manual SP+EP step (bf16, 2 microbatches) with kernels.cross_entropy='pallas', lowered for CUDA on the CPU
-    (Pallas's Triton lowering told the GPU is an H100): both kernels become Triton calls inside the step's
-    checked shard_map. This is where the first GPU run failed (an output with no varying type)."""
-    import dataclasses
-
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
-    from megascale_jax import step
-    from megascale_jax.config import default_config
-
-    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h100)
-    resolve = step.resolve_kernels
-    monkeypatch.setattr(step, "resolve_kernels",
-                        lambda cfg, plan: dataclasses.replace(resolve(cfg, plan), cross_entropy="pallas"))
-    cfg = default_config("tiny_cpu", num_devices=8, **{"train.compute_dtype": "bfloat16", "plan_recipe": "megascale",
-                                                      "parallel.intra": 4, "train.microbatches": 2})
-    trainer = step.build(cfg)
-    state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                         jax.eval_shape(lambda: step.create_state(trainer)), trainer.state_shardings)
-    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len), jnp.int32,
-                                  sharding=trainer.batch_sharding())
-    lowered = step.make_train_step(trainer).trace(state, {"inputs": tokens, "targets": tokens}).lower(
-        lowering_platforms=("cuda",))
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2   # the forward and the backward kernel
+    """The manual SP+EP step with kernels.cross_entropy='pallas', lowered for CUDA on the CPU: both kernels become
+    Triton calls inside the step's checked shard_map. This is where the first GPU run failed (an output with no
+    varying type)."""
+    text = lowered_train_step_for_cuda(monkeypatch, cross_entropy="pallas")
+    assert text.count("__gpu$xla.gpu.triton") == 2   # the forward and the backward kernel

@@ -69,3 +69,13 @@ def test_empty_rows():
 @pytest.mark.parametrize("shape", [(4096 + 17, 1408), (2048, 14336)])
 def test_gpu_matches_autodiff(shape):
     _check(shape, jnp.bfloat16, interpret=False)
+
+
+def test_the_train_step_with_the_kernel_backward_lowers_for_the_gpu(monkeypatch):
+    """kernels.swiglu='separate_pallas_bwd' in the manual SP+EP step, lowered for CUDA on the CPU: the kernel becomes
+    a Triton call inside the step's checked shard_map (its outputs typed as varying), in the backward only."""
+    from tests.kernels.triton_lowering import lowered_train_step_for_cuda
+
+    text = lowered_train_step_for_cuda(monkeypatch, swiglu="separate_pallas_bwd")
+    calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    assert len(calls) == 1 and 'name = "swiglu_backward"' in calls[0], calls   # the scanned MoE layer's backward
