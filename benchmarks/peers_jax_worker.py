@@ -46,8 +46,8 @@ def build_ours(shapes: Shapes, tiny: bool, layers: int, swiglu: str = "separate"
     on_gpu = jax.default_backend() == "gpu"
     gemm = "pallas" if on_gpu else "xla"
     kernels = Kernels(attention="cudnn" if on_gpu else "xla", grouped_gemm=gemm,
-                      swiglu=resolve_swiglu(swiglu, backend=jax.default_backend(), grouped_gemm=gemm,
-                                          ffn=shapes.ffn, remat="none", macro_layer=False))
+                      swiglu=resolve_swiglu(swiglu, backend=jax.default_backend(), partitioned_by_xla=False,
+                                          grouped_gemm=gemm, ffn=shapes.ffn, remat="none", macro_layer=False))
     layout = local_layout(num_experts=m.moe.num_experts)
     blocks = [Block(m, moe=True, param_dtype=jnp.bfloat16, kernels=kernels, rngs=nnx.Rngs(i))
               for i in range(layers)]

@@ -4,11 +4,12 @@
 
 read once from (gate, up, dh) and written once, in float32 rounded once to the inputs' dtype.
 
-Why a kernel: XLA:GPU emits autodiff's backward of silu(gate) * up as two fusions, one per cotangent, and both
-read dh and gate (H100 profile of deepseekmoe_small: `fused_convert.3` reads dh, gate, up and writes d_gate,
-`fused_convert.4` reads dh, gate again and writes d_up, 2.46 ms a step for the experts of two layers; a
-hand-written `jax.custom_vjp` with the same expression gave the same two fusions:
-benchmarks/results/train_step_custom_vjp_norm_swiglu_1xh100.json). Five [M, F] passes instead of seven.
+Why a kernel: XLA:GPU emits autodiff's backward of silu(gate) * up as two fusions per layer, one per cotangent, and
+both read dh and gate. H100 profile of deepseekmoe_small (benchmarks/results/train_step_custom_vjp_norm_swiglu_1xh100.json
+and its step HLO): the d_gate fusion (reads dh, gate, up) and the d_up fusion (reads dh and gate again) of its two
+MoE layers are the kernels loop_convert_fusion_3 (1.40 ms: one compiled kernel run for both layers' d_gate),
+_4 and _5 (0.53 ms each), 2.46 ms a step; a hand-written `jax.custom_vjp` with the same expression gave the same
+fusions. Five [M, F] passes instead of seven.
 
 The forward stays XLA's (one fusion, at HBM speed). `swiglu_with_kernel_backward(gate, up)` is a custom VJP whose
 plain twin is autodiff of `jax.nn.silu(gate) * up` (tests/kernels/test_swiglu_backward.py: interpret mode on the
@@ -52,6 +53,9 @@ def swiglu_backward(gate, up, dh, *, interpret: bool = False, block: int = BLOCK
     if block & (block - 1):
         raise ValueError(f"swiglu_backward: block={block} must be a power of 2 (Triton's block sizes)")
     n = math.prod(gate.shape)
+    if n >= 2 ** 31:   # the kernel's element indices are int32
+        raise ValueError(f"swiglu_backward: {gate.shape} has {n} elements; at most 2**31 - 1 (int32 indices): "
+                         f"apply it to row blocks")
     if n == 0:
         return jnp.zeros_like(gate), jnp.zeros_like(up)
     flat = [vary_like(a.reshape(n), gate, up, dh) for a in (gate, up, dh)]

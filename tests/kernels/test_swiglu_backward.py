@@ -58,6 +58,9 @@ def test_bad_shapes_and_blocks_are_refused():
         swiglu_backward(g, g, jnp.ones((4, 9)), interpret=True)
     with pytest.raises(ValueError, match="power of 2"):
         swiglu_backward(g, g, g, interpret=True, block=96)
+    big = jax.ShapeDtypeStruct((65536, 32768), jnp.bfloat16)   # 2**31 elements: past int32 indices
+    with pytest.raises(ValueError, match="int32"):
+        jax.eval_shape(lambda a: swiglu_backward(a, a, a), big)
 
 
 def test_empty_rows():

@@ -118,19 +118,25 @@ class SwigluImpl(StrEnum):
     SEPARATE_PALLAS_BWD = "separate_pallas_bwd"
 
 
-def swiglu_unsupported_reason(choice: str, *, backend: str, grouped_gemm: str, ffn: int, remat: str,
-                              macro_layer: bool) -> str | None:
+def swiglu_unsupported_reason(choice: str, *, backend: str, partitioned_by_xla: bool, grouped_gemm: str, ffn: int,
+                              remat: str, macro_layer: bool) -> str | None:
     """Why `choice` (a SwigluImpl) cannot (or should not) run for this model, or None. The fused op is one custom
     VJP: under a remat policy that keeps the GEMM outputs by name ('selective') it would be rerun whole (its GEMMs
     too) to get h back, and the macro layer writes its own backward from the separate calls (and takes the
-    activation's pullback from MoEBlockMath.activation, which the kernel backward is not wired into)."""
+    activation's pullback from MoEBlockMath.activation, which the kernel backward is not wired into). Both are
+    per-device kernels: where the XLA compiler partitions the step over several devices (`partitioned_by_xla`)
+    it would gather their operands whole."""
     if choice == SwigluImpl.SEPARATE:
         return None
     if macro_layer:
         return "parallel.moe_layer='macro' writes the expert backward from the separate GEMM calls"
+    if backend != "gpu":
+        return f"it is a GPU kernel and the backend is {backend!r}"
+    if partitioned_by_xla:
+        return "it is a per-device kernel and the XLA plan partitions the step over several devices"
     if choice == SwigluImpl.SEPARATE_PALLAS_BWD:
-        return None if backend == "gpu" else f"its backward is a Pallas GPU kernel and the backend is {backend!r}"
-    if backend != "gpu" or grouped_gemm != GroupedGemmImpl.PALLAS:
+        return None
+    if grouped_gemm != GroupedGemmImpl.PALLAS:
         return f"it is a Mosaic GPU kernel beside the pallas grouped GEMM, and kernels.grouped_gemm is {grouped_gemm!r}"
     if ffn % 128:
         return f"its tiles are 128 FFN columns wide and the per-device expert FFN is {ffn}"
