@@ -173,7 +173,9 @@ def cross_entropy(logits_BSV, targets_BS):
 class DenseMLP(nnx.Module):
     """SwiGLU MLP: down(silu(x @ gate) * (x @ up)). Used for dense layers and shared experts."""
 
-    def __init__(self, dim: int, ffn: int, param_dtype, rngs: nnx.Rngs, ffn_axis: str = "ffn"):
+    def __init__(self, dim: int, ffn: int, param_dtype, rngs: nnx.Rngs, ffn_axis: str = "ffn",
+                 kernel_backward: bool = False):
+        self.kernel_backward = kernel_backward   # the activation's backward as one Pallas pass (swiglu_activation)
         # Fan-in: the contracted dim of each matmul (D for gate/up, F for down).
         self.w_gate_DF = param(rngs, (dim, ffn), ("embed", ffn_axis), param_dtype, fan_in_axes=(0,))
         self.w_up_DF = param(rngs, (dim, ffn), ("embed", ffn_axis), param_dtype, fan_in_axes=(0,))
@@ -181,7 +183,7 @@ class DenseMLP(nnx.Module):
 
     def __call__(self, x_TD):
         gate, up = swiglu_in(x_TD, self.w_gate_DF[...], self.w_up_DF[...])
-        return swiglu_out(gate, up, self.w_down_FD[...])
+        return swiglu_out(gate, up, self.w_down_FD[...], self.kernel_backward)
 
 
 def swiglu_in(x_TD, w_gate_DF, w_up_DF):
@@ -190,6 +192,16 @@ def swiglu_in(x_TD, w_gate_DF, w_up_DF):
     return x_TD @ w_gate_DF.astype(dt), x_TD @ w_up_DF.astype(dt)
 
 
-def swiglu_out(gate, up, w_down_FD):
+def swiglu_activation(gate, up, kernel_backward: bool = False):
+    """silu(gate) * up; `kernel_backward` (kernels.swiglu='separate_pallas_bwd'): its backward is one Pallas pass
+    (pallas_kernels/swiglu_backward.py: the same values, fewer passes than XLA's two backward fusions)."""
+    if kernel_backward:
+        from pallas_kernels.swiglu_backward import swiglu_with_kernel_backward
+
+        return swiglu_with_kernel_backward(gate, up)
+    return jax.nn.silu(gate) * up
+
+
+def swiglu_out(gate, up, w_down_FD, kernel_backward: bool = False):
     """SwiGLU's activation and last GEMM: (silu(gate) * up) @ down."""
-    return (jax.nn.silu(gate) * up) @ w_down_FD.astype(gate.dtype)
+    return swiglu_activation(gate, up, kernel_backward) @ w_down_FD.astype(gate.dtype)

@@ -37,8 +37,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from megascale_jax.model.attention import ATTENTIONS, attention_core, project_out
 from megascale_jax.model.layers import (CrossEntropyImpl, DenseMLP, Embedding, RMSNorm, cross_entropy, output_logits,
-                                        pallas_cross_entropy, param, rms_norm, swiglu_in, swiglu_out)
-from megascale_jax.model.moe.experts import ExpertWeights, grouped_gemm_fn, grouped_gemm_grads
+                                        pallas_cross_entropy, param, rms_norm, swiglu_activation, swiglu_in,
+                                        swiglu_out)
+from megascale_jax.model.moe.experts import ExpertWeights, grouped_gemm_fn, grouped_gemm_grads, kernel_backward
 from megascale_jax.model.moe.layer import MoEFFN, gate_shared_output
 from megascale_jax.model.moe.router import Routing, route, router_logits
 
@@ -133,7 +134,8 @@ class Block(nnx.Module):
             self.ffn = MoEFFN(m.hidden, m.moe, param_dtype, rngs, grouped_gemm=kernels.grouped_gemm,
                               grouped_gemm_tail=kernels.grouped_gemm_tail, swiglu=kernels.swiglu)
         else:
-            self.ffn = DenseMLP(m.hidden, m.dense_ffn, param_dtype, rngs)
+            self.ffn = DenseMLP(m.hidden, m.dense_ffn, param_dtype, rngs,
+                                kernel_backward=kernel_backward(kernels.swiglu))
 
     def __call__(self, x_BSD, layout):
         # Named scopes reach the compiled HLO's op_name metadata; the communication analyzer attributes
@@ -166,7 +168,8 @@ class Block(nnx.Module):
     def macro_math(self) -> "MoEBlockMath":
         r = self.ffn.router
         return MoEBlockMath(self.attn_norm.eps, self.attn.implementation, r.top_k, r.renormalize, r.group_size,
-                            self.ffn.grouped_gemm, self.ffn.grouped_gemm_tail, self.attn.project_rope)
+                            self.ffn.grouped_gemm, self.ffn.grouped_gemm_tail, self.attn.project_rope,
+                            kernel_backward(self.ffn.swiglu))
 
 
 class MoEBlockWeights(NamedTuple):
@@ -196,6 +199,7 @@ class MoEBlockMath:
     # Attention.project_rope(positions, x, w): the module's own projections (+ biases, q/k norms) and RoPE on
     # explicit weights; it reads only the module's static settings, no Variable.
     project_rope: Callable = dataclasses.field(compare=False)
+    swiglu_kernel_backward: bool = False   # kernels.swiglu='separate_pallas_bwd' (layers.swiglu_activation)
 
     def norm(self, x, scale):
         return rms_norm(x, scale, self.norm_eps)
@@ -224,14 +228,14 @@ class MoEBlockMath:
 
     def activation(self, gate, up):
         """SwiGLU's activation (experts and shared experts): silu(gate) * up."""
-        return jax.nn.silu(gate) * up
+        return swiglu_activation(gate, up, self.swiglu_kernel_backward)
 
     def dense_in(self, h_TD, w_gate_DF, w_up_DF):
         """The shared experts' first GEMMs (layers.DenseMLP)."""
         return swiglu_in(h_TD, w_gate_DF, w_up_DF)
 
     def dense_out(self, gate, up, w_down_FD):
-        return swiglu_out(gate, up, w_down_FD)
+        return swiglu_out(gate, up, w_down_FD, self.swiglu_kernel_backward)
 
     def shared_gate(self, h_TD, w_gate_D1, y_TD):
         """The shared experts' output scaled per token by sigmoid(h . w_gate) (model/moe/layer.py)."""

@@ -37,3 +37,33 @@ def test_cross_entropy_of_a_target_outside_the_vocabulary_is_nan():
     for bad in (8, -1):
         assert np.isnan(float(cross_entropy(logits, jnp.array([[0, bad, 2]]))))
     assert np.isfinite(float(cross_entropy(logits, jnp.array([[0, 7, 2]]))))
+
+
+def test_dense_mlp_with_the_kernel_backward_equals_autodiff(monkeypatch):
+    """DenseMLP(kernel_backward=True) (dense layers and shared experts under kernels.swiglu='separate_pallas_bwd'):
+    the Pallas backward (interpret mode) is called and the output and every gradient equal autodiff's in bf16 (one
+    rounding apart)."""
+    from flax import nnx
+
+    from megascale_jax.model.layers import DenseMLP
+    from pallas_kernels import swiglu_backward as kernel
+
+    compiled, calls = kernel.swiglu_backward, []
+
+    def interpreted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return compiled(*args, **{**kwargs, "interpret": True})
+    monkeypatch.setattr(kernel, "swiglu_backward", interpreted)
+    x = jax.random.normal(jax.random.key(0), (24, 32), jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(1), (24, 32), jnp.float32).astype(jnp.bfloat16)
+
+    def run(kernel_backward):
+        graphdef, params = nnx.split(DenseMLP(32, 40, jnp.float32, nnx.Rngs(2), kernel_backward=kernel_backward))
+        y, pull = jax.vjp(lambda p, x: nnx.merge(graphdef, p)(x), params, x)
+        return y, pull(dy)
+    (y, grads), (y_want, grads_want) = run(True), run(False)
+    assert calls == [(24, 40)]
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_want, np.float32))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_want)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.abs(b).max() > 0 and np.abs(a - b).max() <= 2e-2 * np.abs(b).max()

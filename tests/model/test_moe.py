@@ -174,11 +174,10 @@ def test_swiglu_choice_resolves_by_what_can_run():
         assert resolve_swiglu("separate", **{**ok, **change}) == "separate"
         with pytest.raises(ValueError, match=reason):
             resolve_swiglu("fused", **{**ok, **change})
-    # the kernel backward needs only a GPU (any grouped GEMM, FFN width, remat) and the autodiff MoE layer
-    for change in (dict(grouped_gemm="xla"), dict(ffn=1400), dict(remat="selective")):
+    # the kernel backward needs only a GPU and a per-device step (any grouped GEMM, FFN width, remat, MoE layer)
+    for change in (dict(grouped_gemm="xla"), dict(ffn=1400), dict(remat="selective"), dict(macro_layer=True)):
         assert resolve_swiglu("separate_pallas_bwd", **{**ok, **change}) == "separate_pallas_bwd"
-    for change, reason in [(dict(backend="cpu"), "backend is 'cpu'"), (dict(macro_layer=True), "macro"),
-                           (dict(partitioned_by_xla=True), "XLA plan")]:
+    for change, reason in [(dict(backend="cpu"), "backend is 'cpu'"), (dict(partitioned_by_xla=True), "XLA plan")]:
         with pytest.raises(ValueError, match=reason):
             resolve_swiglu("separate_pallas_bwd", **{**ok, **change})
 

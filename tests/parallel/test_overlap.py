@@ -22,7 +22,8 @@ SMALL = {"model.hidden": 64, "model.num_heads": 4, "model.num_kv_heads": 2, "mod
 
 
 def _block_grads(moe_layer, *, attention="sp", dispatch="all_to_all", remat="none", chunks=1, intra=4,
-                 dtype=jnp.float32, top_k=2, wire="bf16", capacity_factor=0.0, cfg_overrides=None):
+                 dtype=jnp.float32, top_k=2, wire="bf16", capacity_factor=0.0, cfg_overrides=None,
+                 kernels=Kernels()):
     """(outputs, stats, grads of params and x) of one MoE block per device on a (data, 1, intra) mesh; the loss
     mixes the output with a fixed cotangent and the aux / z losses so every gradient path is exercised."""
     cfg = default_config("tiny_cpu", num_devices=1, **{**SMALL, "model.moe.top_k": top_k, **(cfg_overrides or {})})
@@ -32,7 +33,7 @@ def _block_grads(moe_layer, *, attention="sp", dispatch="all_to_all", remat="non
     mesh = plan.make_mesh(jax.devices())
     layout = make_layout(plan, num_heads=cfg.model.num_heads, num_experts=cfg.model.moe.num_experts,
                          moe_layer=moe_layer, remat=remat, overlap_chunks=chunks)
-    block = _with_nonzero_extras(Block(cfg.model, True, jnp.float32, Kernels(), nnx.Rngs(3)))
+    block = _with_nonzero_extras(Block(cfg.model, True, jnp.float32, kernels, nnx.Rngs(3)))
     graphdef, params = nnx.split(block)
     param_specs = jax.tree.map(lambda s: plan.param_spec(tuple(s)), nnx.get_partition_spec(params),
                                is_leaf=lambda x: isinstance(x, P))
@@ -135,6 +136,29 @@ def test_macro_block_with_biases_qk_norm_and_shared_gate_equals_autodiff(remat, 
     for extra in ("q_bias_HK", "k_bias_GK", "v_bias_GK", "q_norm", "k_norm", "shared_gate_D1"):
         assert any(extra in name for name in names), (extra, names)
     _assert_close(got, want, rtol=2e-5)
+
+
+@pytest.mark.parametrize("moe_layer,remat,chunks", [("macro", "none", 1), ("macro", "selective", 2),
+                                                    ("autodiff", "none", 1)])
+def test_swiglu_kernel_backward_in_both_moe_layers_equals_autodiff(monkeypatch, moe_layer, remat, chunks):
+    """kernels.swiglu='separate_pallas_bwd' reaches the experts' and the shared experts' activation in the macro layer
+    (MoEBlockMath) and in the autodiff layer: every call of the kernel is counted and the outputs and gradients
+    equal autodiff's. The kernel is stood in for by its formula in float32 (the Pallas interpreter's gathers do not
+    type-check inside a checked shard_map; the kernel itself is compared with autodiff in
+    tests/kernels/test_swiglu_backward.py, and lowered inside the step's shard_map for CUDA there)."""
+    from pallas_kernels import swiglu_backward as kernel
+
+    calls = []
+
+    def formula(gate, up, dh, **_):
+        calls.append(gate.shape)
+        g, u, d = (a.astype(jnp.float32) for a in (gate, up, dh))
+        s = jax.nn.sigmoid(g)
+        return (d * u * s * (1 + g * (1 - s))).astype(gate.dtype), (d * g * s).astype(up.dtype)
+    monkeypatch.setattr(kernel, "swiglu_backward", formula)
+    got = _block_grads(moe_layer, remat=remat, chunks=chunks, kernels=Kernels(swiglu="separate_pallas_bwd"))
+    assert len(calls) == chunks + 1, calls   # the experts' activation (per chunk) and the shared experts'
+    _assert_close(got, _autodiff(), rtol=2e-5)
 
 
 def test_macro_block_in_bf16_matches_within_bf16_rounding():

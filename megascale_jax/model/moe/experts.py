@@ -29,7 +29,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from pallas_kernels.varying import vary_like
 
-from megascale_jax.model.layers import param
+from megascale_jax.model.layers import param, swiglu_activation
 
 
 class GroupedGemmImpl(StrEnum):
@@ -122,20 +122,21 @@ def swiglu_unsupported_reason(choice: str, *, backend: str, partitioned_by_xla: 
                               remat: str, macro_layer: bool) -> str | None:
     """Why `choice` (a SwigluImpl) cannot (or should not) run for this model, or None. The fused op is one custom
     VJP: under a remat policy that keeps the GEMM outputs by name ('selective') it would be rerun whole (its GEMMs
-    too) to get h back, and the macro layer writes its own backward from the separate calls (and takes the
-    activation's pullback from MoEBlockMath.activation, which the kernel backward is not wired into). Both are
-    per-device kernels: where the XLA compiler partitions the step over several devices (`partitioned_by_xla`)
-    it would gather their operands whole."""
+    too) to get h back, and the macro layer writes its own backward from the separate calls. The kernel backward
+    ('separate_pallas_bwd') runs there too: the macro layer takes the activation's pullback from
+    MoEBlockMath.activation, which is layers.swiglu_activation. Both are per-device kernels: where the XLA
+    compiler partitions the step over several devices (`partitioned_by_xla`) it would gather their operands
+    whole."""
     if choice == SwigluImpl.SEPARATE:
         return None
-    if macro_layer:
-        return "parallel.moe_layer='macro' writes the expert backward from the separate GEMM calls"
     if backend != "gpu":
         return f"it is a GPU kernel and the backend is {backend!r}"
     if partitioned_by_xla:
         return "it is a per-device kernel and the XLA plan partitions the step over several devices"
     if choice == SwigluImpl.SEPARATE_PALLAS_BWD:
         return None
+    if macro_layer:
+        return "parallel.moe_layer='macro' writes the expert backward from the separate GEMM calls"
     if grouped_gemm != GroupedGemmImpl.PALLAS:
         return f"it is a Mosaic GPU kernel beside the pallas grouped GEMM, and kernels.grouped_gemm is {grouped_gemm!r}"
     if ffn % 128:
@@ -208,16 +209,12 @@ def expert_hidden(x_MD, weights: ExpertWeights, group_sizes_E, gemm: GroupedGemm
     # Named for the selective remat policy (model/transformer.py): GEMM outputs are kept, the activation is not.
     gate = checkpoint_name(gemm(x_MD, weights.gate_EDF.astype(dt), group_sizes_E), "expert_gate")
     up = checkpoint_name(gemm(x_MD, weights.up_EDF.astype(dt), group_sizes_E), "expert_up")
-    return swiglu_activation(gate, up, swiglu)
+    return swiglu_activation(gate, up, kernel_backward(swiglu))
 
 
-def swiglu_activation(gate, up, swiglu: str):
-    """silu(gate) * up; with 'separate_pallas_bwd' its backward is one Pallas pass (same values, see the kernel)."""
-    if swiglu == SwigluImpl.SEPARATE_PALLAS_BWD:
-        from pallas_kernels.swiglu_backward import swiglu_with_kernel_backward
-
-        return swiglu_with_kernel_backward(gate, up)
-    return jax.nn.silu(gate) * up
+def kernel_backward(swiglu: str) -> bool:
+    """Whether the resolved SwigluImpl runs the activation's backward as the Pallas pass (layers.swiglu_activation)."""
+    return swiglu == SwigluImpl.SEPARATE_PALLAS_BWD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +232,7 @@ class FirstExpertGemms:
     def from_gate(self, x_MD, gate_MF, group_sizes_E):
         gate = checkpoint_name(gate_MF, "expert_gate")
         up = checkpoint_name(self.gemm(x_MD, self.weights.up_EDF.astype(x_MD.dtype), group_sizes_E), "expert_up")
-        return swiglu_activation(gate, up, self.swiglu)
+        return swiglu_activation(gate, up, kernel_backward(self.swiglu))
 
 
 @dataclasses.dataclass(frozen=True)

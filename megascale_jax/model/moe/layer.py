@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megascale_jax.model.layers import DenseMLP, param
-from megascale_jax.model.moe.experts import FirstExpertGemms, LastExpertGemm, SwiGLUExperts, grouped_gemm_fn
+from megascale_jax.model.moe.experts import (FirstExpertGemms, LastExpertGemm, SwiGLUExperts, grouped_gemm_fn,
+                                             kernel_backward)
 from megascale_jax.model.moe.router import ROUTERS
 
 
@@ -35,7 +36,8 @@ class MoEFFN(nnx.Module):
         self.experts = SwiGLUExperts(e.num_experts, dim, e.expert_ffn, param_dtype, rngs)
         shared_ffn = e.num_shared_experts * (e.shared_expert_ffn or e.expert_ffn)
         # Shared experts are fused into one dense SwiGLU of the summed width (mathematically identical).
-        self.shared = DenseMLP(dim, shared_ffn, param_dtype, rngs, ffn_axis="ffn") if shared_ffn else None
+        self.shared = (DenseMLP(dim, shared_ffn, param_dtype, rngs, ffn_axis="ffn",
+                                kernel_backward=kernel_backward(swiglu)) if shared_ffn else None)
         self.shared_gated = bool(shared_ffn) and e.shared_expert_gate
         if self.shared_gated:   # contracted over D
             self.shared_gate_D1 = param(rngs, (dim, 1), ("embed", None), param_dtype, fan_in_axes=(0,))
