@@ -21,6 +21,11 @@ def _jax_setup(tiny: bool):
     return jax
 
 
+# bench_peers variants of ours_block by kernels.swiglu
+SWIGLU_VARIANTS = {"ours_block_separate_swiglu": "separate", "ours_block_fused_swiglu": "fused",
+                   "ours_block_kernel_bwd_swiglu": "separate_pallas_bwd"}
+
+
 def build_ours(shapes: Shapes, tiny: bool, layers: int, swiglu: str = "separate"):
     """This project's Block(s) and a jitted grad of a scalar of y w.r.t. params and x; `swiglu` the
     kernels.swiglu choice, resolved as the model's build resolves it (no remat here)."""
@@ -217,10 +222,9 @@ def jax_worker(args, shapes: Shapes, names: list[str]):
                 ms = statistics.median(per)
                 emit(args.results, name, ok=True, ms=ms, per_loop_ms=per, n=nn_,
                      extra=f"{2 * nn_ ** 3 / ms / 1e9:.0f} TFLOP/s", wall_s=time.perf_counter() - t_start)
-            elif name in ("ours_block", "ours_2layer", "ours_block_grid_tiles", "ours_block_separate_swiglu",
-                          "ours_block_fused_swiglu"):
+            elif name in ("ours_block", "ours_2layer", "ours_block_grid_tiles", *SWIGLU_VARIANTS):
                 layers = 2 if name == "ours_2layer" else 1
-                swiglu = name.rsplit("_", 2)[1] if name.endswith("_swiglu") else "separate"
+                swiglu = SWIGLU_VARIANTS.get(name, "separate")
                 with _row_tiles("grid" if name == "ours_block_grid_tiles" else None):
                     grad, params, kernels = build_ours(shapes, args.tiny, layers, swiglu)
                     x = jnp.asarray(x_np, jnp.bfloat16)

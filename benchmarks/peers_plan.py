@@ -80,6 +80,8 @@ VARIANTS = [
                                                "calls, then silu(gate) * up), fwd+bwd", 1),
     ("ours_block_fused_swiglu", "jax-core", "ours_block with kernels.swiglu='fused' (both first expert GEMMs "
                                             "and SwiGLU in one kernel), fwd+bwd", 1),
+    ("ours_block_kernel_bwd_swiglu", "jax-core", "ours_block with kernels.swiglu='separate_pallas_bwd' (the "
+                                                 "activation's backward as one Pallas pass), fwd+bwd", 1),
     ("stock_bound", "jax-core", "stock JAX block, experts as evenly split dense batched GEMMs (same FLOPs): "
                                 "the dense-equivalent bound", 1),
     ("torch_dense_gemm", "torch", "torch dense bf16 GEMM 8192^3", 0),
