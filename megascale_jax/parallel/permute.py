@@ -6,9 +6,11 @@ mixtral_small, 8 x 4096 tokens, one H200). Knowing the index structure, the tran
 
     permute_rows(x_RD, perm_R)                 y[r] = x[perm[r]]          dx = dy[inverse(perm)]
     repeat_rows_sorted(x_TD, order_A, top_k)   y[m] = x[order[m] // K]    dx[t] = sum_k dy[inverse(order)[t*K + k]]
+    gather_weighted_sum(y_RD, rows_A, ...)     out[t] = sum_k w[t, k] * y[rows[t*K + k]]   (the combine)
 
-(order_A a permutation of the T*K assignments, as dispatch sorts them). Plain twins: `x[perm]` and
-`x[order // K]` under autodiff (tests/parallel/test_permute.py compares values and gradients).
+(order_A a permutation of the T*K assignments, as dispatch sorts them). Plain twins: `x[perm]`, `x[order // K]`
+and `permute_rows` + the weighted sum, under autodiff (tests/parallel/test_permute.py compares values and
+gradients).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from pallas_kernels.varying import match_varying
 
 
 def inverse_permutation(perm_R):
@@ -55,3 +58,44 @@ def _repeat_bwd(top_k, order_A, g_AD):
 
 
 repeat_rows_sorted.defvjp(_repeat_fwd, _repeat_bwd)
+
+
+@jax.custom_vjp
+def gather_weighted_sum(y_RD, rows_A, assignment_R, kept_A, weight_TK):
+    """out[t] = sum_k weight[t, k] * y[rows[t*K + k]] over the kept assignments (a dropped one adds 0, whatever
+    its row holds), in float32: the combine of a sorted expert buffer. `rows_A` (row of each assignment) and
+    `assignment_R` (assignment in each row) are inverse permutations.
+
+    Why not autodiff of `permute_rows` + the sum: its backward needs the gathered [A, D] rows, so the forward
+    writes them out and the backward reads them back; here the forward gathers inside the sum and keeps nothing
+    [A, D]-sized, and the backward gathers again for the weights' gradient."""
+    return _gather_weighted_sum(y_RD, rows_A, kept_A, weight_TK)
+
+
+def _gathered_kept(y_RD, rows_A, kept_A, top_k):
+    y_AD = jnp.where(kept_A[:, None], y_RD[rows_A], 0).astype(jnp.float32)
+    return y_AD.reshape(-1, top_k, y_RD.shape[-1])
+
+
+def _gather_weighted_sum(y_RD, rows_A, kept_A, weight_TK):
+    y_TKD = _gathered_kept(y_RD, rows_A, kept_A, weight_TK.shape[1])
+    return jnp.einsum("tkd,tk->td", y_TKD, weight_TK.astype(jnp.float32))
+
+
+def _gws_fwd(y_RD, rows_A, assignment_R, kept_A, weight_TK):
+    return _gather_weighted_sum(y_RD, rows_A, kept_A, weight_TK), (y_RD, rows_A, assignment_R, kept_A, weight_TK)
+
+
+def _gws_bwd(residuals, g_TD):
+    y_RD, rows_A, assignment_R, kept_A, weight_TK = residuals
+    top_k = weight_TK.shape[1]
+    g_TD = g_TD.astype(jnp.float32)
+    d_weight = jnp.einsum("tkd,td->tk", _gathered_kept(y_RD, rows_A, kept_A, top_k), g_TD)
+    # row r held assignment a = assignment[r] of token a // K: its cotangent is weight[a] * g[a // K] (0 if dropped)
+    w_R = jnp.where(kept_A, weight_TK.reshape(-1).astype(jnp.float32), 0)[assignment_R]
+    d_y = (w_R[:, None] * g_TD[assignment_R // top_k]).astype(y_RD.dtype)
+    return (match_varying(d_y, y_RD, g_TD, weight_TK), None, None, None,
+            match_varying(d_weight.astype(weight_TK.dtype), weight_TK, g_TD, y_RD))
+
+
+gather_weighted_sum.defvjp(_gws_fwd, _gws_bwd)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from megascale_jax.parallel import collectives
-from megascale_jax.parallel.permute import inverse_permutation, permute_rows, repeat_rows_sorted
+from megascale_jax.parallel.permute import gather_weighted_sum, inverse_permutation, permute_rows, repeat_rows_sorted
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -111,9 +111,10 @@ def send_local_transpose(dx_MD, plan: LocalPlan, num_tokens: int):
 
 
 def combine_local(y_MD, plan: LocalPlan, weight_TK):
-    """The inverse permutation (a gather, not a scatter), then the weighted sum over k; y's dtype."""
-    y_AD = permute_rows(y_MD, inverse_permutation(plan.order_A))
-    return weighted_sum_over_k(y_AD, plan.kept_A, weight_TK).astype(y_MD.dtype)
+    """Each assignment's row gathered back (the inverse permutation: a gather, not a scatter) inside the
+    weighted sum over k; y's dtype. Twin: `permute_rows` + `weighted_sum_over_k` (tests/parallel/test_permute.py)."""
+    rows_A = inverse_permutation(plan.order_A)
+    return gather_weighted_sum(y_MD, rows_A, plan.order_A, plan.kept_A, weight_TK).astype(y_MD.dtype)
 
 
 def assignments_to_rows_local(s_A, plan: LocalPlan):
