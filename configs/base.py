@@ -87,8 +87,10 @@ def get_config() -> ConfigDict:
     # tail rows: the expert FFN fwd+bwd 1.035x (Mixtral EP8) / 1.235x (Qwen3 EP8) faster on an H200)
     c.kernels.grouped_gemm_tail = "auto"
     c.kernels.cross_entropy = "auto"  # auto | xla | pallas (the loss head's softmax passes; auto: pallas on GPU per device)
-    c.kernels.swiglu = "separate"     # separate | fused (first expert GEMMs + SwiGLU in one kernel; not faster yet)
-    #                                 | separate_pallas_bwd (the activation's backward in one Pallas pass; unmeasured)
+    # auto | separate | separate_pallas_bwd (the activation's backward in one Pallas pass) | fused (first expert
+    # GEMMs + SwiGLU in one kernel; not faster yet). auto: separate_pallas_bwd on GPU per device, unless the expert
+    # GEMM outputs are masked (grouped_gemm_tail mask); else separate (model/moe/experts.py SwigluImpl)
+    c.kernels.swiglu = "auto"
     c.kernels.attention = "auto"      # xla | cudnn | auto (cudnn on GPU with bf16)
 
     c.train = ConfigDict()

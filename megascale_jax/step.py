@@ -74,11 +74,11 @@ def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
     expert_parallel = plan.kind == PlanKind.MANUAL and plan.ffn == FFNPlan.EP and plan.intra > 1
     try:
         partitioned_by_xla = not plan.per_device and plan.num_devices > 1
-        swiglu = resolve_swiglu(cfg.kernels.swiglu, backend=backend, partitioned_by_xla=partitioned_by_xla,
-                                grouped_gemm=grouped_gemm, ffn=ffn, remat=cfg.train.remat,
-                                macro_layer=cfg.parallel.moe_layer == MoELayer.MACRO)
         tail = resolve_grouped_gemm_tail(cfg.kernels.grouped_gemm_tail, grouped_gemm=grouped_gemm,
                                          expert_parallel=expert_parallel)
+        swiglu = resolve_swiglu(cfg.kernels.swiglu, backend=backend, partitioned_by_xla=partitioned_by_xla,
+                                grouped_gemm=grouped_gemm, ffn=ffn, remat=cfg.train.remat,
+                                macro_layer=cfg.parallel.moe_layer == MoELayer.MACRO, grouped_gemm_tail=tail)
         cross_entropy = resolve_cross_entropy(cfg.kernels.cross_entropy, backend=backend,
                                               partitioned_by_xla=partitioned_by_xla)
     except ValueError as err:

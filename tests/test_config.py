@@ -126,3 +126,21 @@ def test_grouped_gemm_tail_auto_masks_only_expert_parallel_pallas_runs():
     cfg = default_config("tiny_cpu", **{"kernels.grouped_gemm_tail": "mask"})
     with pytest.raises(ConfigError, match="grouped_gemm_tail='mask'"):
         resolve_kernels(cfg, ParallelPlan.from_config(cfg))
+
+
+def test_swiglu_auto_takes_the_kernel_backward_on_a_gpu_unless_the_expert_outputs_are_masked(monkeypatch):
+    """kernels.swiglu='auto' on a (faked) GPU backend: 'separate_pallas_bwd' on one rank, 'separate' under expert
+    parallelism with the pallas kernel (its outputs masked: grouped_gemm_tail resolves to 'mask') and on the CPU."""
+    from megascale_jax import step
+    from megascale_jax.parallel.plan import ParallelPlan
+
+    def swiglu(**overrides):
+        cfg = default_config("tiny_cpu", **overrides)
+        return step.resolve_kernels(cfg, ParallelPlan.from_config(cfg)).swiglu
+    assert swiglu() == "separate"   # the CPU
+    monkeypatch.setattr(step.jax, "default_backend", lambda: "gpu")
+    ep2 = {"parallel.intra": 2, "parallel.plan": "manual", "parallel.ffn": "ep", "parallel.attention": "sp"}
+    assert swiglu() == "separate_pallas_bwd"
+    assert swiglu(**{**ep2, "kernels.grouped_gemm": "pallas"}) == "separate"
+    assert swiglu(**ep2, **{"kernels.grouped_gemm": "pallas", "kernels.grouped_gemm_tail": "kernel"}) == \
+        "separate_pallas_bwd"

@@ -67,8 +67,10 @@ def gather_weighted_sum(y_RD, rows_A, assignment_R, kept_A, weight_TK):
     `assignment_R` (assignment in each row) are inverse permutations.
 
     Why not autodiff of `permute_rows` + the sum: its backward needs the gathered [A, D] rows, so the forward
-    writes them out and the backward reads them back; here the forward gathers inside the sum and keeps nothing
-    [A, D]-sized, and the backward gathers again for the weights' gradient."""
+    keeps them for the backward; here the forward gathers inside the sum and keeps nothing [A, D]-sized, and the
+    backward gathers again for the weights' gradient. Measured: time unchanged (deepseekmoe_small on an H100, the
+    combine's kernels 1.68 vs 1.69 ms a step), the step's temporary memory 36 MB (2.3%) smaller in a CPU compile of a
+    small top-6 config (benchmarks/results/train_step_swiglu_kernel_bwd_1xh100.json)."""
     return _gather_weighted_sum(y_RD, rows_A, kept_A, weight_TK)
 
 

@@ -177,6 +177,12 @@ def test_swiglu_choice_resolves_by_what_can_run():
     # the kernel backward needs only a GPU and a per-device step (any grouped GEMM, FFN width, remat, MoE layer)
     for change in (dict(grouped_gemm="xla"), dict(ffn=1400), dict(remat="selective"), dict(macro_layer=True)):
         assert resolve_swiglu("separate_pallas_bwd", **{**ok, **change}) == "separate_pallas_bwd"
+    # auto: the kernel backward wherever it can run, unless the expert GEMM outputs are masked; else separate
+    assert resolve_swiglu("auto", **ok) == "separate_pallas_bwd"
+    assert resolve_swiglu("auto", **ok, grouped_gemm_tail="kernel") == "separate_pallas_bwd"
+    assert resolve_swiglu("auto", **ok, grouped_gemm_tail="mask") == "separate"
+    for change in (dict(backend="cpu"), dict(partitioned_by_xla=True)):
+        assert resolve_swiglu("auto", **{**ok, **change}) == "separate"
     for change, reason in [(dict(backend="cpu"), "backend is 'cpu'"), (dict(partitioned_by_xla=True), "XLA plan")]:
         with pytest.raises(ValueError, match=reason):
             resolve_swiglu("separate_pallas_bwd", **{**ok, **change})

@@ -110,12 +110,17 @@ def grouped_gemm_fn(implementation: str, zero_tail: str = GroupedGemmTail.KERNEL
 
 
 class SwigluImpl(StrEnum):
-    """No 'auto': on the H200 the fused kernel has not beaten the separate form (bench_grouped_swiglu_h200.json:
-    Mixtral forward 6.13 vs 6.18 ms at its best tiles, fwd+bwd slower; the block 36.87 vs 36.39 ms), so it is
-    chosen by hand, where a user wants to measure it; so is separate_pallas_bwd until a step measures it."""
+    """'auto' picks separate_pallas_bwd where it can run (a GPU, a per-device step) and the expert GEMMs' outputs are
+    not masked (GroupedGemmTail.MASK: XLA would have to write the masked gate and up out for the kernel, the two
+    passes it saves), else 'separate'. The kernel backward reads and writes each array once, at ~3.0 TB/s on an H100
+    where XLA's two backward fusions per activation took 4.9 ms of deepseekmoe_small's step against the kernels'
+    3.6 (benchmarks/results/train_step_swiglu_kernel_bwd_1xh100.json); the Mixtral block 35.64 vs 35.93 ms.
+    'fused' is never picked: on the H200 it has not beaten the separate form (bench_grouped_swiglu_h200.json:
+    Mixtral forward 6.13 vs 6.18 ms at its best tiles, fwd+bwd slower; the block 36.87 vs 36.39 ms)."""
     SEPARATE = "separate"
     FUSED = "fused"
     SEPARATE_PALLAS_BWD = "separate_pallas_bwd"
+    AUTO = "auto"
 
 
 def swiglu_unsupported_reason(choice: str, *, backend: str, partitioned_by_xla: bool, grouped_gemm: str, ffn: int,
@@ -146,9 +151,14 @@ def swiglu_unsupported_reason(choice: str, *, backend: str, partitioned_by_xla: 
     return None
 
 
-def resolve_swiglu(choice: str, **why) -> str:
-    """The choice, checked: one for which `swiglu_unsupported_reason(choice, **why)` names a reason is an error."""
+def resolve_swiglu(choice: str, *, grouped_gemm_tail: str = GroupedGemmTail.KERNEL, **why) -> str:
+    """The choice, checked: one for which `swiglu_unsupported_reason(choice, **why)` names a reason is an error;
+    'auto' as SwigluImpl says (`grouped_gemm_tail`: the resolved GroupedGemmTail)."""
     choice = SwigluImpl(choice)
+    if choice == SwigluImpl.AUTO:
+        kernel = SwigluImpl.SEPARATE_PALLAS_BWD
+        runs = swiglu_unsupported_reason(kernel, **why) is None and grouped_gemm_tail != GroupedGemmTail.MASK
+        return (kernel if runs else SwigluImpl.SEPARATE).value
     reason = swiglu_unsupported_reason(choice, **why)
     if reason:
         raise ValueError(f"config.kernels.swiglu={choice.value!r} cannot run here: {reason}; use 'separate'")
