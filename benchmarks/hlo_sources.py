@@ -82,7 +82,7 @@ def instruction_sources(hlo_text: str) -> dict[str, dict]:
     """{instruction name: {"op": jax op name, "where": source frame}} for every instruction with metadata."""
     lines = hlo_text.splitlines()
     tables, cache = _frame_tables(lines), {}
-    out, calls, roots, computation = {}, {}, {}, None
+    out, calls, roots, computation, triton = {}, {}, {}, None, {}
     for line in lines:
         m = _COMPUTATION.match(line)
         if m and "=" not in line.split("{", 1)[0]:
@@ -103,10 +103,26 @@ def instruction_sources(hlo_text: str) -> dict[str, dict]:
             if _TRITON_CALL in line and "backend_config=" in line:
                 kernel = _KERNEL_NAME.search(line.split("backend_config=", 1)[1])
                 if kernel:
-                    out.setdefault(kernel.group(1), entry)
+                    triton.setdefault(kernel.group(1), []).append(entry)
             if line.lstrip().startswith("ROOT") and computation:
                 roots[computation] = entry
     for name, computation in calls.items():   # a fusion with no metadata of its own: its root's
         if name not in out and computation in roots:
             out[name] = roots[computation]
+    out.update({k: v for k, v in _triton_kernel_names(triton).items() if k not in out})
+    return out
+
+
+def _triton_kernel_names(entries_by_name: dict[str, list]) -> dict[str, dict]:
+    """Trace names of the Triton kernels: a name given to n > 1 calls shows as name, name__1, ... name__{n-1},
+    in an order the HLO does not tell, so all n are listed as one of the calls (their source line where they agree)."""
+    out = {}
+    for name, entries in entries_by_name.items():
+        if len(entries) == 1:
+            out[name] = entries[0]
+            continue
+        wheres = sorted({str(e["where"]) for e in entries})
+        shared = {"op": f"one of {len(entries)} Triton calls named {name}",
+                  "where": wheres[0] if len(wheres) == 1 else "one of: " + " | ".join(wheres)}
+        out.update({name: shared, **{f"{name}__{i}": shared for i in range(1, len(entries))}})
     return out

@@ -170,3 +170,32 @@ def test_a_pallas_triton_kernel_is_found_under_its_own_name():
     assert sources["cross_entropy_backward"] == sources["custom-call.4"]
     assert sources["cross_entropy_forward"]["op"] == "jit(step)/pallas_call"
     assert "not_a_triton_kernel" not in sources and "num_warps" not in sources
+
+
+def test_triton_kernels_sharing_a_name_are_listed_under_each_trace_name():
+    """Three calls of one Pallas kernel (the SwiGLU backward of the experts, the dense layer and the shared experts)
+    show in the trace as swiglu_backward, swiglu_backward__1 and __2; all three are listed, with the common source
+    line, or with every line where the calls come from different ones."""
+    from benchmarks.hlo_sources import instruction_sources
+
+    def module(lines):
+        call = ('  %custom-call.{i} = bf16[8] custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", '
+                'metadata={{op_name="jit(step)/pallas_call" stack_frame_id={frame}}}, '
+                'backend_config={{name = "swiglu_backward", num_warps = 8}}')
+        return "\n".join([
+            "HloModule jit_step", "", "FileNames", '1 "/x/megascale_jax/model/layers.py"', "FunctionNames",
+            '1 "swiglu_activation"', "FileLocations",
+            "1 {file_name_id=1 function_name_id=1 line=201 end_line=201 column=1 end_column=9}",
+            "2 {file_name_id=1 function_name_id=1 line=7 end_line=7 column=1 end_column=9}", "StackFrames",
+            "1 {file_location_id=1 parent_frame_id=0}", "2 {file_location_id=2 parent_frame_id=0}", "",
+            "ENTRY %main (p: bf16[8]) -> bf16[8] {",
+            *[("  ROOT " if i == len(lines) else "") + call.format(i=i, frame=f).lstrip()
+              for i, f in enumerate(lines, 1)], "}"])
+    sources = instruction_sources(module([1, 1, 1]))
+    names = ("swiglu_backward", "swiglu_backward__1", "swiglu_backward__2")
+    assert all(sources[n]["where"] == "megascale_jax/model/layers.py:201 (swiglu_activation)" for n in names), sources
+    assert sources["swiglu_backward"]["op"] == "one of 3 Triton calls named swiglu_backward"
+    assert "swiglu_backward__3" not in sources
+    differing = instruction_sources(module([1, 2]))["swiglu_backward__1"]["where"]
+    assert differing == ("one of: megascale_jax/model/layers.py:201 (swiglu_activation) | "
+                         "megascale_jax/model/layers.py:7 (swiglu_activation)")
