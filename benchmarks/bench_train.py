@@ -15,6 +15,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -41,6 +42,17 @@ def _parse_overrides(text: str) -> dict:
     return out
 
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exhausted|Interrupt)\b.*")
+
+
+def failure_summary(stderr: str, tail: int = 600) -> str:
+    """The failed run's exception line first (the last line that names one, e.g. 'jax.errors.JaxRuntimeError:
+    RESOURCE_EXHAUSTED: ...'), then the end of its stderr: a cut traceback alone does not say what failed."""
+    lines = [line for line in stderr.splitlines() if _EXCEPTION_LINE.match(line)]
+    head = lines[-1][:600] if lines else "(no exception line in stderr)"
+    return f"{head} | stderr ends: {stderr[-tail:]}"
+
+
 def run_trainer(name: str, overrides: dict, out_dir: str, hlo_dump_dir: str | None = None) -> list[dict]:
     """`python -m megascale_jax.train --config configs/<name>.py --config.<key>=<value> ...` as a user runs it;
     returns its logged train records (metrics.jsonl). A failed run raises with the tail of its stderr.
@@ -53,7 +65,7 @@ def run_trainer(name: str, overrides: dict, out_dir: str, hlo_dump_dir: str | No
                                                   "--xla_dump_hlo_as_text", "--xla_dump_hlo_module_re=jit_step_fn"]))
     proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, env=env)
     if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-1500:]}")
+        raise RuntimeError(f"{name} {' '.join(flags)} exited {proc.returncode}: {failure_summary(proc.stderr)}")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if r.get("split") == "train"]
 
@@ -162,7 +174,7 @@ def main() -> None:
                                    args.profile_top, args.hlo_sources,
                                    f"{args.out}.{name}.{variant}.hlo.gz" if args.save_hlo else None)
             except Exception as err:  # noqa: BLE001 - record the failure next to the other results
-                row = {"config": name, "overrides": {**common, **extra}, "error": f"{type(err).__name__}: {err}"[:800]}
+                row = {"config": name, "overrides": {**common, **extra}, "error": f"{type(err).__name__}: {err}"[:1600]}
             row["variant"] = variant
             results.append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "tokens_per_s_intervals")}),

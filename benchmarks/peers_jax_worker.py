@@ -26,7 +26,7 @@ SWIGLU_VARIANTS = {"ours_block_separate_swiglu": "separate", "ours_block_fused_s
                    "ours_block_kernel_bwd_swiglu": "separate_pallas_bwd"}
 
 
-def build_ours(shapes: Shapes, tiny: bool, layers: int, swiglu: str = "separate"):
+def build_ours(shapes: Shapes, tiny: bool, layers: int, swiglu: str = "auto"):
     """This project's Block(s) and a jitted grad of a scalar of y w.r.t. params and x; `swiglu` the
     kernels.swiglu choice, resolved as the model's build resolves it (no remat here)."""
     import jax
@@ -224,7 +224,7 @@ def jax_worker(args, shapes: Shapes, names: list[str]):
                      extra=f"{2 * nn_ ** 3 / ms / 1e9:.0f} TFLOP/s", wall_s=time.perf_counter() - t_start)
             elif name in ("ours_block", "ours_2layer", "ours_block_grid_tiles", *SWIGLU_VARIANTS):
                 layers = 2 if name == "ours_2layer" else 1
-                swiglu = SWIGLU_VARIANTS.get(name, "separate")
+                swiglu = SWIGLU_VARIANTS.get(name, "auto")   # ours_block: the default, as the trainer resolves it
                 with _row_tiles("grid" if name == "ours_block_grid_tiles" else None):
                     grad, params, kernels = build_ours(shapes, args.tiny, layers, swiglu)
                     x = jnp.asarray(x_np, jnp.bfloat16)

@@ -75,7 +75,8 @@ def rate(flops: float, ms: float | None) -> dict:
 VARIANTS = [
     ("jax_dense_gemm", "jax-core", "JAX dense bf16 GEMM 8192^3, the same-run GEMM rate", 0),
     ("ours_block", "jax-core", "this project's Block (cuDNN attention + Pallas Mosaic GPU grouped GEMM, "
-                               "dropless, kernels.swiglu='separate', the default), fwd+bwd", 1),
+                               "dropless, kernels.swiglu='auto', the default: separate_pallas_bwd on a GPU), "
+                               "fwd+bwd", 1),
     ("ours_block_separate_swiglu", "jax-core", "ours_block with kernels.swiglu='separate' (two grouped GEMM "
                                                "calls, then silu(gate) * up), fwd+bwd", 1),
     ("ours_block_fused_swiglu", "jax-core", "ours_block with kernels.swiglu='fused' (both first expert GEMMs "

@@ -28,10 +28,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.varying import match_varying, output_struct, vary_like
 
-__all__ = ["swiglu_with_kernel_backward", "swiglu_backward", "BLOCK", "NUM_WARPS"]
+__all__ = ["swiglu_with_kernel_backward", "swiglu_backward", "BLOCK", "NUM_WARPS", "MAX_ELEMENTS"]
 
 BLOCK = 4096      # elements per program: 16 bf16 per thread of 8 warps, 8 KB of each input
 NUM_WARPS = 8
+MAX_ELEMENTS = 2 ** 31 - 1   # a call's element indices are int32; larger arrays run as row blocks
 
 
 def _backward_kernel(gate_ref, up_ref, dh_ref, d_gate_ref, d_up_ref, *, block: int, n: int):
@@ -45,17 +46,19 @@ def _backward_kernel(gate_ref, up_ref, dh_ref, d_gate_ref, d_up_ref, *, block: i
     plgpu.store(d_up_ref.at[idx], (d * g * s).astype(d_up_ref.dtype), mask=mask)
 
 
-def swiglu_backward(gate, up, dh, *, interpret: bool = False, block: int = BLOCK, num_warps: int = NUM_WARPS):
+def swiglu_backward(gate, up, dh, *, interpret: bool = False, block: int = BLOCK, num_warps: int = NUM_WARPS,
+                    max_elements: int = MAX_ELEMENTS):
     """(d_gate, d_up) of h = silu(gate) * up for the cotangent dh; all three of one shape, the outputs in gate's and
-    up's dtypes. `block` (a power of 2): elements per program."""
+    up's dtypes. `block` (a power of 2): elements per program. Past `max_elements` (int32 indices) the leading axis
+    is cut into blocks of at most that many elements, one call each, joined again (a copy XLA may fold away)."""
     if gate.shape != up.shape or gate.shape != dh.shape:
         raise ValueError(f"swiglu_backward: gate {gate.shape}, up {up.shape} and dh {dh.shape} must be one shape")
     if block & (block - 1):
         raise ValueError(f"swiglu_backward: block={block} must be a power of 2 (Triton's block sizes)")
     n = math.prod(gate.shape)
-    if n >= 2 ** 31:   # the kernel's element indices are int32
-        raise ValueError(f"swiglu_backward: {gate.shape} has {n} elements; at most 2**31 - 1 (int32 indices): "
-                         f"apply it to row blocks")
+    if n > max_elements:
+        return _in_row_blocks(gate, up, dh, interpret=interpret, block=block, num_warps=num_warps,
+                              max_elements=max_elements)
     if n == 0:
         return jnp.zeros_like(gate), jnp.zeros_like(up)
     flat = [vary_like(a.reshape(n), gate, up, dh) for a in (gate, up, dh)]
@@ -65,6 +68,17 @@ def swiglu_backward(gate, up, dh, *, interpret: bool = False, block: int = BLOCK
         compiler_params=plgpu.CompilerParams(num_warps=num_warps), interpret=interpret,
         name="swiglu_backward")(*flat)
     return d_gate.reshape(gate.shape), d_up.reshape(up.shape)
+
+
+def _in_row_blocks(gate, up, dh, *, max_elements: int, **kernel):
+    row = math.prod(gate.shape[1:])
+    rows = max_elements // row
+    if gate.ndim < 2 or rows == 0:
+        raise ValueError(f"swiglu_backward: {gate.shape} has more than {max_elements} elements (int32 indices) and "
+                         f"no leading axis whose rows fit that: reshape it to [rows, columns]")
+    parts = [swiglu_backward(*(a[i:i + rows] for a in (gate, up, dh)), max_elements=max_elements, **kernel)
+             for i in range(0, gate.shape[0], rows)]
+    return tuple(jnp.concatenate([p[j] for p in parts]) for j in range(2))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -199,3 +199,18 @@ def test_triton_kernels_sharing_a_name_are_listed_under_each_trace_name():
     differing = instruction_sources(module([1, 2]))["swiglu_backward__1"]["where"]
     assert differing == ("one of: megascale_jax/model/layers.py:201 (swiglu_activation) | "
                          "megascale_jax/model/layers.py:7 (swiglu_activation)")
+
+
+def test_a_failed_training_run_is_reported_by_its_exception_line():
+    """bench_train records a failed run by the exception's own line, before the end of its stderr (a cut
+    traceback said only 'in device_get' for an H100 run of mixtral_small)."""
+    from benchmarks.bench_train import failure_summary
+
+    stderr = "\n".join(["Traceback (most recent call last):", '  File "x.py", line 3, in device_get',
+                        "    return tree_map(_device_get, x)",
+                        "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory allocating 1234 bytes.",
+                        "", "During handling ...", "    " + "frame " * 400])
+    summary = failure_summary(stderr)
+    assert summary.startswith("jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory")
+    assert summary.endswith(stderr[-600:])
+    assert failure_summary("segfault\n").startswith("(no exception line in stderr)")

@@ -58,9 +58,21 @@ def test_bad_shapes_and_blocks_are_refused():
         swiglu_backward(g, g, jnp.ones((4, 9)), interpret=True)
     with pytest.raises(ValueError, match="power of 2"):
         swiglu_backward(g, g, g, interpret=True, block=96)
-    big = jax.ShapeDtypeStruct((65536, 32768), jnp.bfloat16)   # 2**31 elements: past int32 indices
-    with pytest.raises(ValueError, match="int32"):
-        jax.eval_shape(lambda a: swiglu_backward(a, a, a), big)
+    with pytest.raises(ValueError, match="int32"):   # no leading axis to cut along
+        swiglu_backward(jnp.ones(40), jnp.ones(40), jnp.ones(40), interpret=True, max_elements=32)
+
+
+def test_arrays_past_int32_indices_run_as_row_blocks():
+    """Past `max_elements` (2**31 - 1: int32 indices; mixtral_small's 16 x 4096 step has 1.88 G expert elements)
+    the rows are cut into blocks, one call each: the same values as one call; and a 2**31-element array lowers."""
+    gate, up, dh = _inputs((23, 37), jnp.bfloat16)
+    want = swiglu_backward(gate, up, dh, interpret=True, block=64)
+    got = swiglu_backward(gate, up, dh, interpret=True, block=64, max_elements=5 * 37)   # 5 rows a call, 5 calls
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    big = jax.ShapeDtypeStruct((65536, 32768), jnp.bfloat16)   # 2**31 elements
+    out = jax.eval_shape(lambda a: swiglu_backward(a, a, a), big)
+    assert [o.shape for o in out] == [big.shape, big.shape]
 
 
 def test_empty_rows():
@@ -82,3 +94,17 @@ def test_the_train_step_with_the_kernel_backward_lowers_for_the_gpu(monkeypatch)
     text = lowered_train_step_for_cuda(monkeypatch, swiglu="separate_pallas_bwd")
     calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
     assert len(calls) == 1 and 'name = "swiglu_backward"' in calls[0], calls   # the scanned MoE layer's backward
+
+
+@pytest.mark.parametrize("moe_layer", ["autodiff", "macro"])
+def test_the_kernel_backward_lowers_for_dense_layers_and_shared_experts(monkeypatch, moe_layer):
+    """A DeepSeekMoE-like stack (a dense first layer, shared experts) in the manual SP+EP step, lowered for CUDA on the
+    CPU: a Triton call per activation's backward (the dense layer's, the experts' and the shared experts'), with
+    the autodiff MoE layer and with the macro layer's hand-written backward."""
+    from tests.kernels.triton_lowering import lowered_train_step_for_cuda
+
+    overrides = {"model.num_layers": 3, "model.num_dense_layers": 1, "model.moe.num_shared_experts": 1,
+                 "parallel.moe_layer": moe_layer}
+    text = lowered_train_step_for_cuda(monkeypatch, overrides, swiglu="separate_pallas_bwd")
+    calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    assert len(calls) == 3 and all('name = "swiglu_backward"' in c for c in calls), calls

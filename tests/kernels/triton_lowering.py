@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 
 
-def lowered_train_step_for_cuda(monkeypatch, **kernels) -> str:
-    """StableHLO text of the manual SP+EP step (tiny_cpu, bf16, 4-way intra, 2 microbatches) with the resolved
-    `kernels` fields replaced by `kernels` (e.g. cross_entropy='pallas')."""
+def lowered_train_step_for_cuda(monkeypatch, config_overrides=None, **kernels) -> str:
+    """StableHLO text of the manual SP+EP step (tiny_cpu, bf16, 4-way intra, 2 microbatches, + `config_overrides`)
+    with the resolved `kernels` fields replaced by `kernels` (e.g. cross_entropy='pallas')."""
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
     from megascale_jax import step
@@ -20,7 +20,8 @@ def lowered_train_step_for_cuda(monkeypatch, **kernels) -> str:
     resolve = step.resolve_kernels
     monkeypatch.setattr(step, "resolve_kernels", lambda cfg, plan: dataclasses.replace(resolve(cfg, plan), **kernels))
     cfg = default_config("tiny_cpu", num_devices=8, **{"train.compute_dtype": "bfloat16", "plan_recipe": "megascale",
-                                                      "parallel.intra": 4, "train.microbatches": 2})
+                                                      "parallel.intra": 4, "train.microbatches": 2,
+                                                      **(config_overrides or {})})
     trainer = step.build(cfg)
     state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                          jax.eval_shape(lambda: step.create_state(trainer)), trainer.state_shardings)
