@@ -34,7 +34,7 @@ def build_ours(shapes: Shapes, tiny: bool, layers: int, swiglu: str = "auto"):
     from flax import nnx
 
     from megascale_jax.config import default_config
-    from megascale_jax.model.moe.experts import resolve_swiglu
+    from megascale_jax.model.moe.experts import resolve_dense_swiglu, resolve_swiglu
     from megascale_jax.model.transformer import Block, Kernels
     from megascale_jax.parallel.layouts import local_layout
 
@@ -50,9 +50,10 @@ def build_ours(shapes: Shapes, tiny: bool, layers: int, swiglu: str = "auto"):
         shapes.hidden, shapes.heads, shapes.kv_heads, shapes.ffn, shapes.experts, shapes.top_k), m
     on_gpu = jax.default_backend() == "gpu"
     gemm = "pallas" if on_gpu else "xla"
-    kernels = Kernels(attention="cudnn" if on_gpu else "xla", grouped_gemm=gemm,
-                      swiglu=resolve_swiglu(swiglu, backend=jax.default_backend(), partitioned_by_xla=False,
-                                          grouped_gemm=gemm, ffn=shapes.ffn, remat="none", macro_layer=False))
+    why = dict(backend=jax.default_backend(), partitioned_by_xla=False, grouped_gemm=gemm, ffn=shapes.ffn,
+               remat="none", macro_layer=False)
+    kernels = Kernels(attention="cudnn" if on_gpu else "xla", grouped_gemm=gemm, swiglu=resolve_swiglu(swiglu, **why),
+                      dense_swiglu=resolve_dense_swiglu(swiglu, **why))
     layout = local_layout(num_experts=m.moe.num_experts)
     blocks = [Block(m, moe=True, param_dtype=jnp.bfloat16, kernels=kernels, rngs=nnx.Rngs(i))
               for i in range(layers)]

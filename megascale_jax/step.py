@@ -35,7 +35,8 @@ from megascale_jax.config import Config, DType
 from megascale_jax.config_checks import ConfigError
 from megascale_jax.model.attention import resolve_attention_impl
 from megascale_jax.model.layers import resolve_cross_entropy
-from megascale_jax.model.moe.experts import resolve_grouped_gemm, resolve_grouped_gemm_tail, resolve_swiglu
+from megascale_jax.model.moe.experts import (resolve_dense_swiglu, resolve_grouped_gemm, resolve_grouped_gemm_tail,
+                                             resolve_swiglu)
 from megascale_jax.model.transformer import Kernels, Transformer, gemm_weight_copies, gemm_weights_of, \
     with_gemm_weight_copies
 from megascale_jax.optim import NonFinite, clip_by_norm, flat_decay_mask, learning_rate_schedule, \
@@ -76,15 +77,17 @@ def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
         partitioned_by_xla = not plan.per_device and plan.num_devices > 1
         tail = resolve_grouped_gemm_tail(cfg.kernels.grouped_gemm_tail, grouped_gemm=grouped_gemm,
                                          expert_parallel=expert_parallel)
-        swiglu = resolve_swiglu(cfg.kernels.swiglu, backend=backend, partitioned_by_xla=partitioned_by_xla,
-                                grouped_gemm=grouped_gemm, ffn=ffn, remat=cfg.train.remat,
-                                macro_layer=cfg.parallel.moe_layer == MoELayer.MACRO, grouped_gemm_tail=tail)
+        why = dict(backend=backend, partitioned_by_xla=partitioned_by_xla, grouped_gemm=grouped_gemm, ffn=ffn,
+                   remat=cfg.train.remat, macro_layer=cfg.parallel.moe_layer == MoELayer.MACRO)
+        swiglu = resolve_swiglu(cfg.kernels.swiglu, grouped_gemm_tail=tail, **why)
+        dense_swiglu = resolve_dense_swiglu(cfg.kernels.swiglu, **why)
         cross_entropy = resolve_cross_entropy(cfg.kernels.cross_entropy, backend=backend,
                                               partitioned_by_xla=partitioned_by_xla)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return Kernels(attention=resolve_attention_impl(cfg.kernels.attention, backend=backend, compute_dtype=compute),
-                   grouped_gemm=grouped_gemm, grouped_gemm_tail=tail, swiglu=swiglu, cross_entropy=cross_entropy)
+                   grouped_gemm=grouped_gemm, grouped_gemm_tail=tail, swiglu=swiglu, dense_swiglu=dense_swiglu,
+                   cross_entropy=cross_entropy)
 
 
 def check_attention_exchange(cfg: Config) -> None:

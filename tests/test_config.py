@@ -129,18 +129,22 @@ def test_grouped_gemm_tail_auto_masks_only_expert_parallel_pallas_runs():
 
 
 def test_swiglu_auto_takes_the_kernel_backward_on_a_gpu_unless_the_expert_outputs_are_masked(monkeypatch):
-    """kernels.swiglu='auto' on a (faked) GPU backend: 'separate_pallas_bwd' on one rank, 'separate' under expert
-    parallelism with the pallas kernel (its outputs masked: grouped_gemm_tail resolves to 'mask') and on the CPU."""
+    """kernels.swiglu='auto' on a (faked) GPU backend: 'separate_pallas_bwd' on one rank; under expert parallelism
+    with the pallas kernel (its outputs masked: grouped_gemm_tail resolves to 'mask') only for the dense SwiGLUs
+    (dense layers, shared experts); 'separate' on the CPU. An explicit choice is kept for the experts."""
     from megascale_jax import step
     from megascale_jax.parallel.plan import ParallelPlan
 
-    def swiglu(**overrides):
+    def swiglu(**overrides):   # (the experts', the dense layers' and shared experts')
         cfg = default_config("tiny_cpu", **overrides)
-        return step.resolve_kernels(cfg, ParallelPlan.from_config(cfg)).swiglu
-    assert swiglu() == "separate"   # the CPU
+        kernels = step.resolve_kernels(cfg, ParallelPlan.from_config(cfg))
+        return kernels.swiglu, kernels.dense_swiglu
+    kernel = "separate_pallas_bwd"
+    assert swiglu() == ("separate", "separate")   # the CPU
     monkeypatch.setattr(step.jax, "default_backend", lambda: "gpu")
     ep2 = {"parallel.intra": 2, "parallel.plan": "manual", "parallel.ffn": "ep", "parallel.attention": "sp"}
-    assert swiglu() == "separate_pallas_bwd"
-    assert swiglu(**{**ep2, "kernels.grouped_gemm": "pallas"}) == "separate"
-    assert swiglu(**ep2, **{"kernels.grouped_gemm": "pallas", "kernels.grouped_gemm_tail": "kernel"}) == \
-        "separate_pallas_bwd"
+    assert swiglu() == (kernel, kernel)
+    assert swiglu(**{**ep2, "kernels.grouped_gemm": "pallas"}) == ("separate", kernel)   # only the experts' masked
+    assert swiglu(**ep2, **{"kernels.grouped_gemm": "pallas", "kernels.grouped_gemm_tail": "kernel"}) == (kernel, kernel)
+    assert swiglu(**{"kernels.swiglu": "separate"}) == ("separate", "separate")
+    assert swiglu(**{"kernels.swiglu": "fused", "kernels.grouped_gemm": "pallas"}) == ("fused", "separate")

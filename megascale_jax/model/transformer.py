@@ -117,7 +117,8 @@ class Kernels:
     attention: str = "xla"        # model/attention.py AttentionImpl
     grouped_gemm: str = "xla"     # model/moe/experts.py GroupedGemmImpl
     grouped_gemm_tail: str = "kernel"   # model/moe/experts.py GroupedGemmTail (pallas only)
-    swiglu: str = "separate"      # model/moe/experts.py SwigluImpl
+    swiglu: str = "separate"      # model/moe/experts.py SwigluImpl (the experts)
+    dense_swiglu: str = "separate"   # the dense layers' and shared experts' (resolve_dense_swiglu)
     cross_entropy: str = "xla"    # model/layers.py CrossEntropyImpl
 
 
@@ -132,10 +133,11 @@ class Block(nnx.Module):
         self.is_moe = moe
         if moe:
             self.ffn = MoEFFN(m.hidden, m.moe, param_dtype, rngs, grouped_gemm=kernels.grouped_gemm,
-                              grouped_gemm_tail=kernels.grouped_gemm_tail, swiglu=kernels.swiglu)
+                              grouped_gemm_tail=kernels.grouped_gemm_tail, swiglu=kernels.swiglu,
+                              dense_swiglu=kernels.dense_swiglu)
         else:
             self.ffn = DenseMLP(m.hidden, m.dense_ffn, param_dtype, rngs,
-                                kernel_backward=kernel_backward(kernels.swiglu))
+                                kernel_backward=kernel_backward(kernels.dense_swiglu))
 
     def __call__(self, x_BSD, layout):
         # Named scopes reach the compiled HLO's op_name metadata; the communication analyzer attributes
@@ -169,7 +171,7 @@ class Block(nnx.Module):
         r = self.ffn.router
         return MoEBlockMath(self.attn_norm.eps, self.attn.implementation, r.top_k, r.renormalize, r.group_size,
                             self.ffn.grouped_gemm, self.ffn.grouped_gemm_tail, self.attn.project_rope,
-                            kernel_backward(self.ffn.swiglu))
+                            kernel_backward(self.ffn.swiglu), kernel_backward(self.ffn.dense_swiglu))
 
 
 class MoEBlockWeights(NamedTuple):
@@ -199,7 +201,8 @@ class MoEBlockMath:
     # Attention.project_rope(positions, x, w): the module's own projections (+ biases, q/k norms) and RoPE on
     # explicit weights; it reads only the module's static settings, no Variable.
     project_rope: Callable = dataclasses.field(compare=False)
-    swiglu_kernel_backward: bool = False   # kernels.swiglu='separate_pallas_bwd' (layers.swiglu_activation)
+    swiglu_kernel_backward: bool = False   # the experts' activation backward as the kernel (Kernels.swiglu)
+    dense_kernel_backward: bool = False    # the shared experts' (Kernels.dense_swiglu)
 
     def norm(self, x, scale):
         return rms_norm(x, scale, self.norm_eps)
@@ -227,7 +230,7 @@ class MoEBlockMath:
         return grouped_gemm_grads(self.grouped_gemm, self.grouped_gemm_tail)
 
     def activation(self, gate, up):
-        """SwiGLU's activation (experts and shared experts): silu(gate) * up."""
+        """The experts' SwiGLU activation: silu(gate) * up."""
         return swiglu_activation(gate, up, self.swiglu_kernel_backward)
 
     def dense_in(self, h_TD, w_gate_DF, w_up_DF):
@@ -235,7 +238,7 @@ class MoEBlockMath:
         return swiglu_in(h_TD, w_gate_DF, w_up_DF)
 
     def dense_out(self, gate, up, w_down_FD):
-        return swiglu_out(gate, up, w_down_FD, self.swiglu_kernel_backward)
+        return swiglu_out(gate, up, w_down_FD, self.dense_kernel_backward)
 
     def shared_gate(self, h_TD, w_gate_D1, y_TD):
         """The shared experts' output scaled per token by sigmoid(h . w_gate) (model/moe/layer.py)."""

@@ -105,6 +105,7 @@ def test_the_kernel_backward_lowers_for_dense_layers_and_shared_experts(monkeypa
 
     overrides = {"model.num_layers": 3, "model.num_dense_layers": 1, "model.moe.num_shared_experts": 1,
                  "parallel.moe_layer": moe_layer}
-    text = lowered_train_step_for_cuda(monkeypatch, overrides, swiglu="separate_pallas_bwd")
+    text = lowered_train_step_for_cuda(monkeypatch, overrides, swiglu="separate_pallas_bwd",
+                                       dense_swiglu="separate_pallas_bwd")
     calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
     assert len(calls) == 3 and all('name = "swiglu_backward"' in c for c in calls), calls

@@ -156,7 +156,8 @@ def test_swiglu_kernel_backward_in_both_moe_layers_equals_autodiff(monkeypatch, 
         s = jax.nn.sigmoid(g)
         return (d * u * s * (1 + g * (1 - s))).astype(gate.dtype), (d * g * s).astype(up.dtype)
     monkeypatch.setattr(kernel, "swiglu_backward", formula)
-    got = _block_grads(moe_layer, remat=remat, chunks=chunks, kernels=Kernels(swiglu="separate_pallas_bwd"))
+    got = _block_grads(moe_layer, remat=remat, chunks=chunks, kernels=Kernels(swiglu="separate_pallas_bwd",
+                                                                          dense_swiglu="separate_pallas_bwd"))
     assert len(calls) == chunks + 1, calls   # the experts' activation (per chunk) and the shared experts'
     _assert_close(got, _autodiff(), rtol=2e-5)
 

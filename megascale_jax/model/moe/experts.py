@@ -110,9 +110,9 @@ def grouped_gemm_fn(implementation: str, zero_tail: str = GroupedGemmTail.KERNEL
 
 
 class SwigluImpl(StrEnum):
-    """'auto' picks separate_pallas_bwd where it can run (a GPU, a per-device step) and the expert GEMMs' outputs are
-    not masked (GroupedGemmTail.MASK: XLA would have to write the masked gate and up out for the kernel, the two
-    passes it saves), else 'separate'. The kernel backward reads and writes each array once, at ~3.0 TB/s on an H100
+    """'auto' picks separate_pallas_bwd where it can run (a GPU, a per-device step or one device) and, for the experts,
+    where their GEMMs' outputs are not masked (GroupedGemmTail.MASK: XLA would have to write the masked gate and up
+    out for the kernel, the two passes it saves; the dense SwiGLUs keep it: resolve_dense_swiglu), else 'separate'. The kernel backward reads and writes each array once, at ~3.0 TB/s on an H100
     where XLA's two backward fusions per activation took 4.9 ms of deepseekmoe_small's step against the kernels'
     3.6 (benchmarks/results/train_step_swiglu_kernel_bwd_1xh100.json); the Mixtral block 35.64 vs 35.93 ms.
     'fused' is never picked: on the H200 it has not beaten the separate form (bench_grouped_swiglu_h200.json:
@@ -163,6 +163,16 @@ def resolve_swiglu(choice: str, *, grouped_gemm_tail: str = GroupedGemmTail.KERN
     if reason:
         raise ValueError(f"config.kernels.swiglu={choice.value!r} cannot run here: {reason}; use 'separate'")
     return SwigluImpl(choice).value
+
+
+def resolve_dense_swiglu(choice: str, **why) -> str:
+    """The dense SwiGLUs' form (dense layers, shared experts) for kernels.swiglu=`choice` (checked by resolve_swiglu):
+    the kernel backward for 'separate_pallas_bwd', and for 'auto' wherever it can run (a masked expert tail does not
+    concern them); else 'separate' ('fused' is the experts' kernel)."""
+    choice, kernel = SwigluImpl(choice), SwigluImpl.SEPARATE_PALLAS_BWD
+    if choice == kernel or (choice == SwigluImpl.AUTO and swiglu_unsupported_reason(kernel, **why) is None):
+        return kernel.value
+    return SwigluImpl.SEPARATE.value
 
 
 GemmGrad = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]

@@ -25,11 +25,12 @@ from megascale_jax.model.moe.router import ROUTERS
 
 class MoEFFN(nnx.Module):
     def __init__(self, dim: int, moe_cfg, param_dtype, rngs: nnx.Rngs, *, grouped_gemm: str = "xla",
-                 grouped_gemm_tail: str = "kernel", swiglu: str = "separate"):
+                 grouped_gemm_tail: str = "kernel", swiglu: str = "separate", dense_swiglu: str = "separate"):
         """moe_cfg: a resolved MoEConfig (balance_group_size > 0). grouped_gemm, grouped_gemm_tail, swiglu:
         resolved implementations (model/moe/experts.py GroupedGemmImpl, GroupedGemmTail, SwigluImpl)."""
         e = moe_cfg
         self.num_experts, self.grouped_gemm, self.swiglu = e.num_experts, grouped_gemm, swiglu
+        self.dense_swiglu = dense_swiglu   # the shared experts' (model/moe/experts.py resolve_dense_swiglu)
         self.grouped_gemm_tail = grouped_gemm_tail
         self.router = ROUTERS[e.router_kind](dim, e.num_experts, e.top_k, e.renormalize, e.balance_group_size,
                                              rngs)
@@ -37,7 +38,7 @@ class MoEFFN(nnx.Module):
         shared_ffn = e.num_shared_experts * (e.shared_expert_ffn or e.expert_ffn)
         # Shared experts are fused into one dense SwiGLU of the summed width (mathematically identical).
         self.shared = (DenseMLP(dim, shared_ffn, param_dtype, rngs, ffn_axis="ffn",
-                                kernel_backward=kernel_backward(swiglu)) if shared_ffn else None)
+                                kernel_backward=kernel_backward(dense_swiglu)) if shared_ffn else None)
         self.shared_gated = bool(shared_ffn) and e.shared_expert_gate
         if self.shared_gated:   # contracted over D
             self.shared_gate_D1 = param(rngs, (dim, 1), ("embed", None), param_dtype, fan_in_axes=(0,))
