@@ -145,6 +145,7 @@ def test_swiglu_auto_takes_the_kernel_backward_on_a_gpu_unless_the_expert_output
     ep2 = {"parallel.intra": 2, "parallel.plan": "manual", "parallel.ffn": "ep", "parallel.attention": "sp"}
     assert swiglu() == (kernel, kernel)
     assert swiglu(**{**ep2, "kernels.grouped_gemm": "pallas"}) == ("separate", kernel)   # only the experts' masked
-    assert swiglu(**ep2, **{"kernels.grouped_gemm": "pallas", "kernels.grouped_gemm_tail": "kernel"}) == (kernel, kernel)
+    tail_written = {"kernels.grouped_gemm": "pallas", "kernels.grouped_gemm_tail": "kernel"}
+    assert swiglu(**ep2, **tail_written) == (kernel, kernel)
     assert swiglu(**{"kernels.swiglu": "separate"}) == ("separate", "separate")
     assert swiglu(**{"kernels.swiglu": "fused", "kernels.grouped_gemm": "pallas"}) == ("fused", "separate")

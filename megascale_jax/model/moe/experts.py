@@ -112,9 +112,9 @@ def grouped_gemm_fn(implementation: str, zero_tail: str = GroupedGemmTail.KERNEL
 class SwigluImpl(StrEnum):
     """'auto' picks separate_pallas_bwd where it can run (a GPU, a per-device step or one device) and, for the experts,
     where their GEMMs' outputs are not masked (GroupedGemmTail.MASK: XLA would have to write the masked gate and up
-    out for the kernel, the two passes it saves; the dense SwiGLUs keep it: resolve_dense_swiglu), else 'separate'. The kernel backward reads and writes each array once, at ~3.0 TB/s on an H100
-    where XLA's two backward fusions per activation took 4.9 ms of deepseekmoe_small's step against the kernels'
-    3.6 (benchmarks/results/train_step_swiglu_kernel_bwd_1xh100.json); the Mixtral block 35.64 vs 35.93 ms.
+    out for the kernel, the two passes it saves; the dense SwiGLUs keep it: resolve_dense_swiglu), else 'separate'.
+    The kernel backward reads and writes each array once, at ~3.0 TB/s on an H100 where XLA's two backward fusions
+    per activation took 4.9 ms of deepseekmoe_small's step against the kernels' 3.6 (benchmarks/results/train_step_swiglu_kernel_bwd_1xh100.json); the Mixtral block 35.64 vs 35.93 ms.
     'fused' is never picked: on the H200 it has not beaten the separate form (bench_grouped_swiglu_h200.json:
     Mixtral forward 6.13 vs 6.18 ms at its best tiles, fwd+bwd slower; the block 36.87 vs 36.39 ms)."""
     SEPARATE = "separate"
