@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from megascale_jax.parallel import collectives
-from megascale_jax.parallel.permute import gather_weighted_sum, inverse_permutation, permute_rows, repeat_rows_sorted
+from megascale_jax.parallel.permute import (gather_weighted_sum, inverse_permutation, kept_weighted_sum, permute_rows,
+                                           repeat_rows_sorted)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -61,7 +62,9 @@ def sort_assignments(expert_idx_TK, num_experts: int):
 
 
 def weighted_sum_over_k(y_AD, kept_A, weight_TK):
-    """The one combine: y_TD = sum_k weight[t, k] * y[t*K + k], in fp32; rows not kept contribute 0."""
+    """The combine's arithmetic: y_TD = sum_k weight[t, k] * y[t*K + k], in fp32; rows not kept contribute 0. The
+    plain twin of permute.kept_weighted_sum and (after permute_rows) permute.gather_weighted_sum, which the combines
+    run (the same values, smaller residuals)."""
     num_tokens, top_k = weight_TK.shape
     y_TKD = jnp.where(kept_A[:, None], y_AD, 0).reshape(num_tokens, top_k, -1)
     return jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weight_TK.astype(jnp.float32))
@@ -210,7 +213,7 @@ def send_all_to_all_transpose(dx_RD, plan: AllToAllPlan, num_tokens: int, *, axi
 def combine_all_to_all(y_RD, plan: AllToAllPlan, weight_TK, *, axis, exchange=collectives.exchange_tokens):
     """Rows back to their source ranks (the mirror all_to_all), then the sender's weighted sum over k."""
     y_AD = _return_rows_all_to_all(y_RD, plan, axis, exchange)
-    return weighted_sum_over_k(y_AD, plan.kept_A, weight_TK).astype(y_RD.dtype)
+    return kept_weighted_sum(y_AD, plan.kept_A, weight_TK).astype(y_RD.dtype)   # twin: weighted_sum_over_k
 
 
 def assignments_to_rows_all_to_all(s_A, plan: AllToAllPlan, *, axis):

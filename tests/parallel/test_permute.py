@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megascale_jax.parallel.permute import gather_weighted_sum, inverse_permutation, permute_rows, repeat_rows_sorted
+from megascale_jax.parallel.permute import (gather_weighted_sum, inverse_permutation, kept_weighted_sum, permute_rows,
+                                           repeat_rows_sorted)
 from megascale_jax.parallel.token_routes import weighted_sum_over_k
 
 
@@ -34,9 +35,9 @@ def test_repeat_rows_sorted_equals_indexing_with_its_gradient():
     assert float(jnp.abs(got).min()) > 0   # every token received its K rows' gradient
 
 
-def test_gather_weighted_sum_equals_permute_then_sum_with_its_gradients():
+def test_the_combines_equal_permute_then_sum_with_their_gradients():
     """The combine with the gather inside the sum (and a hand-written backward) against autodiff of permute_rows
-    + weighted_sum_over_k: bf16 rows, float32 weights, dropped assignments whose rows hold NaN (the junk a dropless
+    + weighted_sum_over_k, and kept_weighted_sum (no gather) against weighted_sum_over_k: bf16 rows, float32 weights, dropped assignments whose rows hold NaN (the junk a dropless
     buffer's unwritten tail may hold) contributing nothing to the output or to any gradient."""
     top_k, tokens, d = 3, 9, 8
     idx = jax.random.randint(jax.random.key(6), (tokens, top_k), 0, 5)
@@ -54,6 +55,14 @@ def test_gather_weighted_sum_equals_permute_then_sum_with_its_gradients():
     def twin(y, weight):
         return weighted_sum_over_k(permute_rows(y, rows), kept, weight)
     assert not bool(jnp.all(kept)) and bool(jnp.any(kept))
+    _assert_same_values_and_grads(fused, twin, y, weight, g)
+    # kept_weighted_sum: rows already in assignment order (the all_to_all combine); junk in the dropped ones
+    y_A = permute_rows(y, rows)
+    _assert_same_values_and_grads(lambda y, w: kept_weighted_sum(y, kept, w),
+                                  lambda y, w: weighted_sum_over_k(y, kept, w), y_A, weight, g)
+
+
+def _assert_same_values_and_grads(fused, twin, y, weight, g):
     out, pull = jax.vjp(jax.jit(fused), y, weight)
     out_want, pull_want = jax.vjp(twin, y, weight)
     np.testing.assert_allclose(out, out_want, rtol=1e-6, atol=1e-6)
