@@ -88,8 +88,8 @@ def get_config() -> ConfigDict:
     c.kernels.grouped_gemm_tail = "auto"
     c.kernels.cross_entropy = "auto"  # auto | xla | pallas (the loss head's softmax passes; auto: pallas on GPU per device)
     # auto | separate | separate_pallas_bwd (the activation's backward in one Pallas pass) | fused (first expert
-    # GEMMs + SwiGLU in one kernel; not faster yet). auto: separate_pallas_bwd on GPU per device, unless the expert
-    # GEMM outputs are masked (grouped_gemm_tail mask); else separate (model/moe/experts.py SwigluImpl)
+    # GEMMs + SwiGLU in one kernel; not faster yet). auto: separate_pallas_bwd on GPU per device, for the experts only
+    # where their GEMM outputs are not masked (grouped_gemm_tail mask); else separate (model/moe/experts.py SwigluImpl)
     c.kernels.swiglu = "auto"
     c.kernels.attention = "auto"      # xla | cudnn | auto (cudnn on GPU with bf16)
 
