@@ -95,6 +95,22 @@ def pallas_tiles(chunk: int, num_warps: int):
 
 
 SWEEP = [(1024, 4), (4096, 4), (2048, 8), (4096, 8)]   # (columns per step, warps); the default is 2048, 4
+# loss_and_logit_grad (the fused head's one kernel: loss and softmax - one-hot, written to a new array here):
+# (programs, columns per step, warps); programs 0 = one per row
+FUSED = [(264, 2048, 4), (132, 4096, 8), (264, 4096, 8), (528, 2048, 4), (132, 8192, 16), (0, 2048, 4)]
+
+
+def fused_loss_and_grad(programs: int, chunk: int, num_warps: int):
+    """The fused kernel alone: the mean loss and d (its whole [T, V] cost in the fused head; what remains of the
+    backward there is a scale on the head GEMMs' [T, D] side)."""
+    from pallas_kernels.cross_entropy import loss_and_logit_grad
+
+    def f(logits_BSV, targets_BS):
+        b, s, v = logits_BSV.shape
+        loss, d = loss_and_logit_grad(logits_BSV.reshape(b * s, v), targets_BS.reshape(b * s), False, chunk,
+                                      num_warps, programs, alias=False)
+        return jnp.mean(loss), d
+    return f
 
 
 def bench_shape(name: str, shape, loops: int, sweep: bool = False) -> dict:
@@ -108,13 +124,19 @@ def bench_shape(name: str, shape, loops: int, sweep: bool = False) -> dict:
     for label, f in variants.items():
         fns[f"{label}/fwd"] = jax.jit(f)
         fns[f"{label}/fwd+bwd"] = jax.jit(jax.value_and_grad(f))
+    for p, c, w in FUSED:
+        fns[f"fused_p{p}_c{c}_w{w}/fwd+bwd"] = jax.jit(fused_loss_and_grad(p, c, w))
     losses, errors = {}, {}
-    for label in variants:   # a variant that does not compile is recorded and left out of the timing
+    for key in list(fns):   # a variant that does not compile is recorded and left out of the timing
+        label, part = key.split("/")
+        if key not in fns or (part == "fwd+bwd" and f"{label}/fwd" in fns):
+            continue   # dropped with its forward, or loss read from the forward
         try:
-            losses[label] = float(fns[f"{label}/fwd"](logits, targets))
+            out = fns[key](logits, targets)
+            losses[label] = float(out[0] if isinstance(out, tuple) else out)
         except Exception as err:  # noqa: BLE001
             errors[label] = f"{type(err).__name__}: {str(err)[:400]}"
-            fns.pop(f"{label}/fwd"), fns.pop(f"{label}/fwd+bwd")
+            fns.pop(f"{label}/fwd", None), fns.pop(f"{label}/fwd+bwd")
     copy = jax.jit(lambda x: x * jnp.bfloat16(2))   # one elementwise read + write of the logits
     seconds = time_rounds([(k, f, (logits, targets)) for k, f in fns.items()] + [("copy", copy, (logits,))],
                           loops=loops, errors=errors)

@@ -86,7 +86,9 @@ def get_config() -> ConfigDict:
     # kernel | mask | auto (mask for the pallas kernel under expert parallelism, where receive buffers are mostly
     # tail rows: the expert FFN fwd+bwd 1.035x (Mixtral EP8) / 1.235x (Qwen3 EP8) faster on an H200)
     c.kernels.grouped_gemm_tail = "auto"
-    c.kernels.cross_entropy = "auto"  # auto | xla | pallas (the loss head's softmax passes; auto: pallas on GPU per device)
+    # auto | xla | pallas (the loss head's softmax passes; auto: pallas on GPU per device) | pallas_fused (the head GEMM
+    # and the loss as one custom VJP: its forward kernel writes the logits' gradient over them; not the default yet)
+    c.kernels.cross_entropy = "auto"
     # auto | separate | separate_pallas_bwd (the activation's backward in one Pallas pass) | fused (first expert
     # GEMMs + SwiGLU in one kernel; not faster yet). auto: separate_pallas_bwd on GPU per device, for the experts only
     # where their GEMM outputs are not masked (grouped_gemm_tail mask); else separate (model/moe/experts.py SwigluImpl)

@@ -26,10 +26,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.varying import match_varying, output_struct, vary_like
 
-__all__ = ["cross_entropy_per_token", "CHUNK", "NUM_WARPS"]
+__all__ = ["cross_entropy_per_token", "head_cross_entropy_per_token", "loss_and_logit_grad", "CHUNK", "NUM_WARPS",
+           "PROGRAMS"]
 
 CHUNK = 2048      # columns per loop step: 2048 bf16 = 4 KB per row and step, 16 per thread of 4 warps
 NUM_WARPS = 4
+PROGRAMS = 264    # the fused kernel's rows in flight (2 per H100/H200 SM): see `loss_and_logit_grad`
 
 
 def _forward_kernel(x_ref, target_ref, log_z_ref, target_logit_ref, *, chunk: int):
@@ -64,6 +66,40 @@ def _backward_kernel(x_ref, target_ref, log_z_ref, g_ref, dx_ref, *, chunk: int)
         x = plgpu.load(x_ref.at[cols], mask=mask, other=0.0).astype(jnp.float32)
         d = (jnp.exp(x - log_z) - jnp.where(cols == target, 1.0, 0.0)) * g
         plgpu.store(dx_ref.at[cols], d.astype(dx_ref.dtype), mask=mask)
+
+
+def _loss_and_grad_kernel(x_ref, target_ref, d_ref, log_z_ref, target_logit_ref, *, chunk: int, programs: int):
+    """Per row: the forward's pass (log Z, the target's logit), then d = exp(x - log Z) - one-hot over the same
+    row, stored over it when d_ref aliases x_ref (each chunk is read before it is written)."""
+    t, n = x_ref.shape
+    chunks = pl.cdiv(n, chunk)
+
+    @pl.loop(pl.program_id(0), t, step=programs)
+    def _(row):
+        target = target_ref[row]
+
+        def body(i, carry):
+            m, s, hit = carry
+            cols = i * chunk + jnp.arange(chunk)
+            x = plgpu.load(x_ref.at[row, cols], mask=cols < n, other=-jnp.inf).astype(jnp.float32)
+            m_new = jnp.maximum(m, jnp.max(x))
+            shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)   # as _forward_kernel
+            s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift))
+            return m_new, s, hit + jnp.where(cols == target, x, 0.0)
+
+        m, s, hit = jax.lax.fori_loop(0, chunks, body,
+                                      (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.zeros((chunk,), jnp.float32)))
+        log_z = m + jnp.log(s)
+        log_z_ref[row] = log_z
+        target_logit_ref[row] = jnp.sum(hit)
+
+        @pl.loop(0, chunks)
+        def _(i):
+            cols = i * chunk + jnp.arange(chunk)
+            mask = cols < n
+            x = plgpu.load(x_ref.at[row, cols], mask=mask, other=0.0).astype(jnp.float32)
+            d = jnp.exp(x - log_z) - jnp.where(cols == target, 1.0, 0.0)
+            plgpu.store(d_ref.at[row, cols], d.astype(d_ref.dtype), mask=mask)
 
 
 def _row_spec(v):
@@ -120,3 +156,68 @@ def _vjp_backward(interpret, chunk, num_warps, residuals, g_T):
 
 
 cross_entropy_per_token.defvjp(_vjp_forward, _vjp_backward)
+
+
+def loss_and_logit_grad(logits_TV, targets_T, interpret: bool = False, chunk: int = CHUNK,
+                        num_warps: int = NUM_WARPS, programs: int = PROGRAMS, alias: bool = True):
+    """(float32 [T] loss as `cross_entropy_per_token`, d [T, V] = softmax - one-hot in the logits' dtype) in one
+    kernel whose d is written over the logits (input_output_aliases: XLA copies them first only if they are used
+    after this call). The loss's gradient w.r.t. the logits is g[:, None] * d for a cotangent g; in
+    `head_cross_entropy_per_token` the scale by g moves onto the head GEMMs' [T, D] side, so the logits take two
+    passes (a read and a read + write) instead of three (forward read; backward read + write), and no second
+    [T, V] array is alive at once.
+    Each program takes the rows program_id, + `programs`, ...: a row's second read comes while its bytes are
+    still in L2 when `programs` x the row's bytes fit there (264 x 200 KB for a 102400-word vocabulary in bf16:
+    53 MB, the H100's / H200's 50 MB L2). `alias=False` writes d to a new array (bench_cross_entropy: a jitted
+    function's argument is not donated, so an alias would copy it first)."""
+    t, v = logits_TV.shape
+    if chunk & (chunk - 1):
+        raise ValueError(f"loss_and_logit_grad: chunk={chunk} must be a power of 2 (Triton's block sizes)")
+    targets_T = targets_T.astype(jnp.int32)
+    logits_TV, targets_T = (vary_like(a, logits_TV, targets_T) for a in (logits_TV, targets_T))
+    scalar = output_struct((t,), jnp.float32, logits_TV, targets_T)
+    grid = min(programs, t) if programs > 0 else t
+    d, log_z, target_logit = pl.pallas_call(
+        functools.partial(_loss_and_grad_kernel, chunk=chunk, programs=grid), grid=(grid,),
+        # every program sees all rows (and picks its own)
+        in_specs=[pl.BlockSpec((t, v), lambda p: (0, 0)), pl.BlockSpec((t,), lambda p: (0,))],
+        out_specs=[pl.BlockSpec((t, v), lambda p: (0, 0)), pl.BlockSpec((t,), lambda p: (0,)),
+                   pl.BlockSpec((t,), lambda p: (0,))],
+        out_shape=[output_struct(logits_TV.shape, logits_TV.dtype, logits_TV, targets_T), scalar, scalar],
+        input_output_aliases={0: 0} if alias else {}, compiler_params=plgpu.CompilerParams(num_warps=num_warps),
+        interpret=interpret, name="cross_entropy_loss_and_grad")(logits_TV, targets_T)
+    in_vocab = (targets_T >= 0) & (targets_T < v)
+    return log_z - jnp.where(in_vocab, target_logit, jnp.nan), d
+
+
+def _head_logits(x_TD, w, w_is_VD: bool):
+    return jnp.einsum("td,vd->tv" if w_is_VD else "td,dv->tv", x_TD, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def head_cross_entropy_per_token(x_TD, w, targets_T, w_is_VD: bool = False, interpret: bool = False):
+    """float32 [T]: `cross_entropy_per_token(x_TD @ W)` with W = w ([D, V]), or w.T where `w_is_VD` (a tied
+    embedding table [V, D]); x and w in the compute dtype. The output head's GEMM and the loss as one custom VJP
+    (the forward writes the logits' gradient up to the cotangent; see `loss_and_logit_grad`). Its plain twin is
+    `cross_entropy_per_token` of the same einsum (tests/kernels/test_cross_entropy.py)."""
+    return cross_entropy_per_token(_head_logits(x_TD, w, w_is_VD), targets_T, interpret)
+
+
+def _head_forward(x_TD, w, targets_T, w_is_VD, interpret):
+    loss_T, d_TV = loss_and_logit_grad(_head_logits(x_TD, w, w_is_VD), targets_T, interpret)
+    return loss_T, (x_TD, w, d_TV)
+
+
+def _head_backward(w_is_VD, interpret, residuals, g_T):
+    """d logits = g[:, None] * d, so d x = g * (d @ W^T) (the float32 GEMM output scaled, then rounded) and
+    d W = (g * x)^T @ d: the scale costs a [T, D] pass, not a [T, V] one."""
+    x_TD, w, d_TV = residuals
+    g = g_T.astype(jnp.float32)[:, None]
+    dx = jnp.einsum("tv,vd->td" if w_is_VD else "tv,dv->td", d_TV, w, preferred_element_type=jnp.float32)
+    dx = (dx * g).astype(x_TD.dtype)
+    xg = (x_TD.astype(jnp.float32) * g).astype(x_TD.dtype)
+    dw = jnp.einsum("tv,td->vd" if w_is_VD else "td,tv->dv", *((d_TV, xg) if w_is_VD else (xg, d_TV)))
+    return match_varying(dx, x_TD, dx), match_varying(dw.astype(w.dtype), w, dw), None
+
+
+head_cross_entropy_per_token.defvjp(_head_forward, _head_backward)

@@ -82,7 +82,7 @@ def rope(x_BSHD, positions_BS, theta: float):
 
 
 class TiedHeadScale(StrEnum):
-    RSQRT_HIDDEN = "rsqrt_hidden"   # logits of the tied head scaled by 1/sqrt(hidden) (see Embedding.attend)
+    RSQRT_HIDDEN = "rsqrt_hidden"   # logits of the tied head scaled by 1/sqrt(hidden) (see Embedding.head_input)
     NONE = "none"                   # unscaled, as Hugging Face ties the head
 
 
@@ -95,14 +95,14 @@ class Embedding(nnx.Module):
     def __call__(self, tokens_BS, dtype):
         return jnp.take(self.table_VD[...], tokens_BS, axis=0).astype(dtype)
 
-    def attend(self, x_BSD, dtype=jnp.float32):
-        """Tied output head: logits against the embedding table (see `output_logits`), scaled by 1/sqrt(dim).
-        Why: the table is initialised with std 1 (right for inputs), so the unscaled product of a unit-RMS
-        hidden state with it has logits of std sqrt(dim): a first loss of ~28 nats at dim 128, vocab 256.
-        TiedHeadScale.NONE leaves it out, as Hugging Face's tied models expect."""
+    def head_input(self, x_BSD):
+        """The tied output head's GEMM input (its weight is the table): x scaled by 1/sqrt(dim). Why: the table is
+        initialised with std 1 (right for inputs), so the unscaled product of a unit-RMS hidden state with it has
+        logits of std sqrt(dim): a first loss of ~28 nats at dim 128, vocab 256. TiedHeadScale.NONE leaves it
+        out, as Hugging Face's tied models expect."""
         if self.tied_head_scale == TiedHeadScale.RSQRT_HIDDEN:
             x_BSD = x_BSD * jnp.asarray(x_BSD.shape[-1] ** -0.5, x_BSD.dtype)
-        return output_logits("bsd,vd->bsv", x_BSD, self.table_VD[...], dtype)
+        return x_BSD
 
 
 def output_logits(equation: str, x_BSD, w, dtype=jnp.float32):
@@ -119,6 +119,9 @@ def output_logits(equation: str, x_BSD, w, dtype=jnp.float32):
 class CrossEntropyImpl(StrEnum):
     XLA = "xla"         # `cross_entropy` below (logsumexp + one-hot target logit, autodiff), any backend
     PALLAS = "pallas"   # pallas_kernels/cross_entropy.py: one read forward, one pass backward (GPU, per device)
+    # pallas_kernels/cross_entropy.head_cross_entropy_per_token: the head GEMM and the loss as one custom VJP whose
+    # forward kernel writes softmax - one-hot over the logits (GPU, per device; `pallas` is its unfused twin)
+    PALLAS_FUSED = "pallas_fused"
     AUTO = "auto"       # resolved at build time (`resolve_cross_entropy`)
 
 
@@ -131,9 +134,9 @@ def resolve_cross_entropy(choice: str, *, backend: str, partitioned_by_xla: bool
     kernel would be gathered whole: 'pallas' there, or off the GPU, is an error."""
     if choice == CrossEntropyImpl.AUTO:
         return (CrossEntropyImpl.PALLAS if backend == "gpu" and not partitioned_by_xla else CrossEntropyImpl.XLA).value
-    if choice == CrossEntropyImpl.PALLAS and (backend != "gpu" or partitioned_by_xla):
+    if choice in (CrossEntropyImpl.PALLAS, CrossEntropyImpl.PALLAS_FUSED) and (backend != "gpu" or partitioned_by_xla):
         where = f"backend {backend!r}" if backend != "gpu" else "the XLA plan on several devices"
-        raise ValueError(f"config.kernels.cross_entropy='pallas' is a per-device GPU kernel and this run has {where}; "
+        raise ValueError(f"config.kernels.cross_entropy={choice!r} is a per-device GPU kernel and this run has {where}; "
                          f"use 'xla' or 'auto'")
     return CrossEntropyImpl(choice).value
 
@@ -144,6 +147,16 @@ def pallas_cross_entropy(logits_BSV, targets_BS, interpret: bool = False):
 
     b, s, v = logits_BSV.shape
     return jnp.mean(cross_entropy_per_token(logits_BSV.reshape(b * s, v), targets_BS.reshape(b * s), interpret))
+
+
+def pallas_head_cross_entropy(x_BSD, w, targets_BS, w_is_VD: bool, interpret: bool = False):
+    """`cross_entropy`'s value of the logits x @ w (w: [D, V]; [V, D] where `w_is_VD`, a tied table), the head
+    GEMM and the loss as one custom VJP (pallas_kernels/cross_entropy.head_cross_entropy_per_token)."""
+    from pallas_kernels.cross_entropy import head_cross_entropy_per_token
+
+    b, s, d = x_BSD.shape
+    return jnp.mean(head_cross_entropy_per_token(x_BSD.reshape(b * s, d), w.astype(x_BSD.dtype),
+                                                 targets_BS.reshape(b * s), w_is_VD, interpret))
 
 
 def cross_entropy(logits_BSV, targets_BS):

@@ -37,8 +37,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from megascale_jax.model.attention import ATTENTIONS, attention_core, project_out
 from megascale_jax.model.layers import (CrossEntropyImpl, DenseMLP, Embedding, RMSNorm, cross_entropy, output_logits,
-                                        pallas_cross_entropy, param, rms_norm, swiglu_activation, swiglu_in,
-                                        swiglu_out)
+                                        pallas_cross_entropy, pallas_head_cross_entropy, param, rms_norm,
+                                        swiglu_activation, swiglu_in, swiglu_out)
 from megascale_jax.model.moe.experts import ExpertWeights, grouped_gemm_fn, grouped_gemm_grads, kernel_backward
 from megascale_jax.model.moe.layer import MoEFFN, gate_shared_output
 from megascale_jax.model.moe.router import Routing, route, router_logits
@@ -315,13 +315,21 @@ class Transformer(nnx.Module):
 
     def logits(self, x_BSD, dtype=jnp.float32):
         """Final norm and output head -> logits in `dtype` (None: the compute dtype)."""
+        x_BSD, w, w_is_VD = self.head_operands(x_BSD)
+        return output_logits("bsd,vd->bsv" if w_is_VD else "bsd,dv->bsv", x_BSD, w, dtype)
+
+    def head_operands(self, x_BSD):
+        """The output head's GEMM: (input after the final norm, weight, whether it is [V, D] (the tied table))."""
         x_BSD = self.final_norm(x_BSD)
         if self.cfg.tie_embeddings:
-            return self.embed_tokens.attend(x_BSD, dtype)
-        return output_logits("bsd,dv->bsv", x_BSD, self.head_DV[...], dtype)
+            return self.embed_tokens.head_input(x_BSD), self.embed_tokens.table_VD[...], True
+        return x_BSD, self.head_DV[...], False
 
     def head_loss(self, x_BSD, targets_BS, layout):
         """Mean token cross-entropy over the whole batch (on every device)."""
+        if self.cross_entropy_impl == CrossEntropyImpl.PALLAS_FUSED:
+            x_BSD, w, w_is_VD = self.head_operands(x_BSD)
+            return layout.reductions.token_mean(pallas_head_cross_entropy(x_BSD, w, targets_BS, w_is_VD))
         if self.cross_entropy_impl == CrossEntropyImpl.PALLAS:
             return layout.reductions.token_mean(pallas_cross_entropy(self.logits(x_BSD, None), targets_BS))
         return layout.reductions.token_mean(cross_entropy(self.logits(x_BSD), targets_BS))

@@ -1,0 +1,186 @@
+"""The fused output head (pallas_kernels/cross_entropy.py: `loss_and_logit_grad`, `head_cross_entropy_per_token`;
+kernels.cross_entropy='pallas_fused') against its unfused twin, the head's einsum followed by
+`cross_entropy_per_token`: the kernel's loss and softmax - one-hot against the two-kernel forward and backward, the
+head's value and x / w gradients (both weight layouts, per-token cotangents) against the twin and a float32
+reference, in interpret mode on the CPU; the model's loss and every gradient against kernels.cross_entropy='xla';
+the CUDA lowering (one Triton call, the logits aliased to their gradient); compiled on the GPU (`-m gpu`)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from megascale_jax.model.layers import CrossEntropyImpl, pallas_head_cross_entropy, resolve_cross_entropy
+from pallas_kernels.cross_entropy import (CHUNK, cross_entropy_per_token, head_cross_entropy_per_token,
+                                          loss_and_logit_grad)
+from tests.kernels.triton_lowering import lowered_train_step_for_cuda
+
+
+def _logits(tokens, vocab, seed=0, scale=8.0):
+    kl, kt = jax.random.split(jax.random.key(seed))
+    logits = (scale * jax.random.normal(kl, (tokens, vocab), jnp.float32)).astype(jnp.bfloat16)
+    return logits, jax.random.randint(kt, (tokens,), 0, vocab)
+
+
+def _check_kernel(logits, targets, interpret=True, **tiles):
+    loss, d = loss_and_logit_grad(logits, targets, interpret, **tiles)
+    want = cross_entropy_per_token(logits, targets, interpret)
+    d_want = jax.grad(lambda x: jnp.sum(cross_entropy_per_token(x, targets, interpret)))(logits)   # cotangent 1
+    assert d.dtype == logits.dtype and d.shape == logits.shape
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(want), rtol=1e-6)
+    # the same float32 expression rounded to bf16 by both
+    np.testing.assert_array_equal(np.asarray(d, np.float32), np.asarray(d_want, np.float32))
+
+
+@pytest.mark.parametrize("vocab", [300, CHUNK + 1, 3 * CHUNK - 5])
+@pytest.mark.parametrize("programs", [0, 2, 5])
+def test_interpret_loss_and_grad_match_the_two_kernels(vocab, programs):
+    """programs 0: one per row; 2 and 5 of 7 rows: each program loops over its rows (5: an uneven share)."""
+    _check_kernel(*_logits(7, vocab), programs=programs)
+
+
+def test_interpret_masked_columns_a_masked_chunk_and_a_target_outside_the_vocabulary():
+    logits, targets = _logits(4, 3 * CHUNK)
+    logits = logits.at[0, : CHUNK + 7].set(-jnp.inf)
+    targets = targets.at[0].set(CHUNK + 7 + targets[0] % 100)
+    logits = logits.at[1, 2 * CHUNK:].set(-jnp.inf)
+    _check_kernel(logits, targets, programs=3)
+    loss, _ = loss_and_logit_grad(logits, targets.at[2].set(3 * CHUNK), True)
+    assert np.isnan(float(loss[2])) and np.all(np.isfinite(np.asarray(loss)[[0, 1, 3]]))
+
+
+def test_chunk_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="chunk=1000 must be a power of 2"):
+        loss_and_logit_grad(*_logits(2, 300), True, 1000)
+
+
+def _head_case(tokens=24, dim=64, vocab=3000, seed=1):
+    kx, kw, kg = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (tokens, dim), jnp.float32).astype(jnp.bfloat16)
+    w = (0.3 * jax.random.normal(kw, (dim, vocab), jnp.float32)).astype(jnp.bfloat16)
+    g = jax.random.uniform(kg, (tokens,), jnp.float32, 0.1, 1.0)    # per-token cotangents (a weighted mean)
+    return x, w, _logits(tokens, vocab, seed)[1], g
+
+
+def _value_and_grads(loss_fn, x, w, g):
+    return jax.value_and_grad(lambda x, w: jnp.sum(g * loss_fn(x, w)), (0, 1))(x, w)
+
+
+@pytest.mark.parametrize("w_is_VD", [False, True])
+def test_interpret_head_matches_its_unfused_twin_and_a_float32_reference(w_is_VD):
+    x, w_DV, targets, g = _head_case()
+    w = w_DV.T if w_is_VD else w_DV
+    fused = _value_and_grads(lambda x, w: head_cross_entropy_per_token(x, w, targets, w_is_VD, True), x, w, g)
+    twin = _value_and_grads(lambda x, w: cross_entropy_per_token(
+        jnp.einsum("td,vd->tv" if w_is_VD else "td,dv->tv", x, w), targets, True), x, w, g)
+
+    def reference(x, w):
+        logits = jnp.einsum("td,vd->tv" if w_is_VD else "td,dv->tv", x, w)
+        return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[:, None], 1)[:, 0]
+    exact = _value_and_grads(reference, x.astype(jnp.float32), w.astype(jnp.float32), g)
+    assert float(fused[0]) == float(twin[0])
+    for (grad, grad_twin, grad_exact) in zip(fused[1], twin[1], exact[1]):
+        assert grad.dtype == jnp.bfloat16
+        scale = float(jnp.abs(grad_exact).max())
+        errors = [float(jnp.abs(a.astype(jnp.float32) - grad_exact).max()) / scale for a in (grad, grad_twin)]
+        # each rounds the gradient to bf16 in a different place (the twin: g * d; the fused head: d, then g * x
+        # or the float32 GEMM output): both within a few bf16 steps (2^-8) of float32, the fused one no worse
+        assert errors[0] < 2 ** -6 and errors[1] < 2 ** -6
+        assert errors[0] <= 1.5 * errors[1]
+        np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(grad_twin, np.float32),
+                                   atol=2 ** -6 * scale)
+
+
+def test_interpret_head_inside_shard_map_sums_the_weight_gradient_over_the_data_axis():
+    """Per device as the manual plans run it, in a checked shard_map: x and targets split over the devices, w
+    replicated; the weight's cotangent is summed over the axis (match_varying: the transpose of w's replication),
+    so the result equals the unsplit head's."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("data",))
+    x, w, targets, _ = _head_case(tokens=4 * n)
+    want = jax.value_and_grad(lambda x, w: jnp.sum(head_cross_entropy_per_token(x, w, targets, False, True)),
+                              (0, 1))(x, w)
+
+    def per_device(x, w, t):
+        v, (dx, dw) = jax.value_and_grad(lambda x, w: jnp.sum(head_cross_entropy_per_token(x, w, t, False, True)),
+                                         (0, 1))(x, w)
+        return jax.lax.psum(v, "data"), dx, dw
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=(P(), P("data"), P()),
+                        check_vma=True)
+    sharded = (jax.device_put(x, NamedSharding(mesh, P("data"))), w,
+               jax.device_put(targets, NamedSharding(mesh, P("data"))))
+    v, dx, dw = jax.jit(run)(*sharded)
+    np.testing.assert_allclose(float(v), float(want[0]), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(want[1][0], np.float32))
+    np.testing.assert_allclose(np.asarray(dw, np.float32), np.asarray(want[1][1], np.float32), rtol=2 ** -7,
+                               atol=2 ** -7 * float(jnp.abs(want[1][1].astype(jnp.float32)).max()))
+
+
+def test_resolution_of_the_fused_head():
+    assert resolve_cross_entropy("pallas_fused", backend="gpu", partitioned_by_xla=False) == \
+        CrossEntropyImpl.PALLAS_FUSED
+    with pytest.raises(ValueError, match="kernels.cross_entropy='pallas_fused'.*backend 'cpu'"):
+        resolve_cross_entropy("pallas_fused", backend="cpu", partitioned_by_xla=False)
+    with pytest.raises(ValueError, match="XLA plan on several devices"):
+        resolve_cross_entropy("pallas_fused", backend="gpu", partitioned_by_xla=True)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_models_loss_and_gradients_with_the_fused_head(monkeypatch, tied):
+    """The tiny model in bf16 compute, untied head and tied table: kernels.cross_entropy 'pallas_fused' (interpret
+    mode) against 'xla', the loss and every parameter's gradient."""
+    from flax import nnx
+
+    from megascale_jax import step
+    from megascale_jax.config import default_config
+    from megascale_jax.model import transformer
+    from megascale_jax.parallel.layouts import local_layout
+
+    monkeypatch.setattr(transformer, "pallas_head_cross_entropy",
+                        functools.partial(pallas_head_cross_entropy, interpret=True))
+    cfg = default_config("tiny_cpu", num_devices=8, **{"train.compute_dtype": "bfloat16",
+                                                      "model.tie_embeddings": tied})
+    layout = local_layout(num_experts=cfg.model.moe.num_experts)
+    tokens = jax.random.randint(jax.random.key(3), (2, 33), 0, cfg.model.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    results = {}
+    for impl in ("xla", "pallas_fused"):
+        model = step.new_model(cfg, transformer.Kernels(cross_entropy=impl))
+        graphdef, params = nnx.split(model)
+
+        def loss(p):
+            return nnx.merge(graphdef, p).loss(batch, layout)[0]
+        results[impl] = jax.value_and_grad(loss)(params)
+    (v, g), (v_want, g_want) = results["pallas_fused"], results["xla"]
+    assert float(v) == pytest.approx(float(v_want), rel=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g_want)):
+        scale = float(np.abs(b).max())
+        np.testing.assert_allclose(a, b, atol=2e-2 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_train_step_with_the_fused_head_lowers_for_the_gpu(monkeypatch):
+    """The manual SP+EP step with kernels.cross_entropy='pallas_fused', lowered for CUDA on the CPU: one Triton
+    call (the backward is the head's two GEMMs), its logits operand aliased to its gradient output."""
+    text = lowered_train_step_for_cuda(monkeypatch, cross_entropy="pallas_fused")
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "cross_entropy_loss_and_grad" in text and "output_operand_alias" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, vocab", [(512, 102400), (1024, 32000), (300, 151936)])
+def test_gpu_kernel_matches_the_two_kernels(tokens, vocab):
+    _check_kernel(*_logits(tokens, vocab, scale=4.0), interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_head_matches_its_twin():
+    x, w, targets, g = _head_case(tokens=512, dim=256, vocab=32000)
+    fused = _value_and_grads(lambda x, w: head_cross_entropy_per_token(x, w, targets), x, w, g)
+    twin = _value_and_grads(lambda x, w: cross_entropy_per_token(x @ w, targets), x, w, g)
+    np.testing.assert_allclose(float(fused[0]), float(twin[0]), rtol=1e-5)
+    for a, b in zip(fused[1], twin[1]):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   atol=2 ** -6 * float(jnp.abs(b.astype(jnp.float32)).max()))
