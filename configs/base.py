@@ -89,6 +89,9 @@ def get_config() -> ConfigDict:
     # auto | xla | pallas (the loss head's softmax passes; auto: pallas on GPU per device) | pallas_fused (the head GEMM
     # and the loss as one custom VJP: its forward kernel writes the logits' gradient over them; not the default yet)
     c.kernels.cross_entropy = "auto"
+    # auto | xla | pallas (the dispatch's and combine's row gathers, forward and backward, as Pallas kernels:
+    # pallas_kernels/row_gather.py; auto: pallas on GPU per device)
+    c.kernels.permute = "auto"
     # auto | separate | separate_pallas_bwd (the activation's backward in one Pallas pass) | fused (first expert
     # GEMMs + SwiGLU in one kernel; not faster yet). auto: separate_pallas_bwd on GPU per device, for the experts only
     # where their GEMM outputs are not masked (grouped_gemm_tail mask); else separate (model/moe/experts.py SwigluImpl)

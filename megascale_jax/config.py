@@ -88,6 +88,7 @@ class KernelConfig:
     swiglu: str
     grouped_gemm_tail: str
     cross_entropy: str
+    permute: str
 
 
 @dataclasses.dataclass(frozen=True)

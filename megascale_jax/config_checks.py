@@ -18,6 +18,7 @@ from megascale_jax.model.moe.router import RouterKind
 from megascale_jax.model.transformer import Remat
 from megascale_jax.optim import BF16_MIN_MOMENT_STEP, NonFinite
 from megascale_jax.parallel.grad_comm import GradComm
+from megascale_jax.parallel.permute import PermuteImpl
 from megascale_jax.parallel.pipeline_schedules import Schedule, validate_schedule_args
 from megascale_jax.parallel.expert_runs import DispatchExchange
 from megascale_jax.parallel.ring_attention import AttentionExchange
@@ -48,7 +49,7 @@ CHOICES = {
     "parallel.moe_layer": _values(MoELayer), "model.tied_head_scale": _values(TiedHeadScale),
     "kernels.grouped_gemm": _values(GroupedGemmImpl), "kernels.attention": _values(AttentionImpl),
     "kernels.swiglu": _values(SwigluImpl), "kernels.grouped_gemm_tail": _values(GroupedGemmTail),
-    "kernels.cross_entropy": _values(CrossEntropyImpl),
+    "kernels.cross_entropy": _values(CrossEntropyImpl), "kernels.permute": _values(PermuteImpl),
     "parallel.attention_exchange": _values(AttentionExchange),
     "parallel.dispatch_exchange": _values(DispatchExchange),
     "model.attention_kind": _values(AttentionKind), "model.moe.router_kind": _values(RouterKind),

@@ -45,6 +45,7 @@ from megascale_jax.parallel import grad_comm
 from megascale_jax.parallel.collectives import varying_axes
 from megascale_jax.parallel.expert_runs import DispatchExchange
 from megascale_jax.parallel.layouts import Layout, make_layout
+from megascale_jax.parallel.permute import PermuteImpl, resolve_permute
 from megascale_jax.parallel.plan import DATA, INTRA, PIPE, FFNPlan, MoELayer, ParallelPlan, PlanKind
 from megascale_jax.parallel.ring_attention import AttentionExchange
 from megascale_jax.parallel.zero import OptimizerSharding, Zero1
@@ -83,11 +84,12 @@ def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
         dense_swiglu = resolve_dense_swiglu(cfg.kernels.swiglu, **why)
         cross_entropy = resolve_cross_entropy(cfg.kernels.cross_entropy, backend=backend,
                                               partitioned_by_xla=partitioned_by_xla)
+        permute = resolve_permute(cfg.kernels.permute, backend=backend, partitioned_by_xla=partitioned_by_xla)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return Kernels(attention=resolve_attention_impl(cfg.kernels.attention, backend=backend, compute_dtype=compute),
                    grouped_gemm=grouped_gemm, grouped_gemm_tail=tail, swiglu=swiglu, dense_swiglu=dense_swiglu,
-                   cross_entropy=cross_entropy)
+                   cross_entropy=cross_entropy, permute=permute)
 
 
 def check_attention_exchange(cfg: Config) -> None:
@@ -260,7 +262,8 @@ def build(cfg: Config, devices=None) -> Trainer:
                          moe_layer=cfg.parallel.moe_layer, remat=cfg.train.remat,
                          overlap_chunks=cfg.parallel.overlap_chunks,
                          attention_exchange=cfg.parallel.attention_exchange,
-                         dispatch_exchange=cfg.parallel.dispatch_exchange)
+                         dispatch_exchange=cfg.parallel.dispatch_exchange,
+                         pallas_rows=kernels.permute == PermuteImpl.PALLAS)
     return Trainer(cfg, plan, mesh, kernels, graphdef, layout, updater, shardings, abstract)
 
 

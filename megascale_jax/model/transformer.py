@@ -120,6 +120,7 @@ class Kernels:
     swiglu: str = "separate"      # model/moe/experts.py SwigluImpl (the experts)
     dense_swiglu: str = "separate"   # the dense layers' and shared experts' (resolve_dense_swiglu)
     cross_entropy: str = "xla"    # model/layers.py CrossEntropyImpl
+    permute: str = "xla"          # parallel/permute.py PermuteImpl (read by the layout's dispatcher, not the model)
 
 
 class Block(nnx.Module):

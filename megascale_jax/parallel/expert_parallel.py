@@ -159,7 +159,8 @@ def gradient_exchange_for(wire: str):
     return collectives.exchange_tokens
 
 
-def dispatch_local(x_TD, expert_idx_TK, *, num_experts: int, capacity: int | None = None, groups: int = 1):
+def dispatch_local(x_TD, expert_idx_TK, *, num_experts: int, capacity: int | None = None, groups: int = 1,
+                   pallas: bool = False):
     """Rows of x repeated per assignment, ordered by expert: (x_MD with M = T*K, group_sizes_E, plan).
 
     capacity: each of `groups` equal, contiguous blocks of tokens keeps only its first `capacity` rows in
@@ -168,12 +169,12 @@ def dispatch_local(x_TD, expert_idx_TK, *, num_experts: int, capacity: int | Non
     the XLA plan drops exactly what each device's own dispatch would. None is dropless. Rows past
     sum(group_sizes) are junk the combine ignores."""
     plan = routes.plan_local(expert_idx_TK, num_experts=num_experts, capacity=capacity, groups=groups)
-    return routes.send_local(x_TD, plan), plan.group_sizes, plan
+    return routes.send_local(x_TD, plan, pallas), plan.group_sizes, plan
 
 
-def combine_local(y_MD, plan: routes.LocalPlan, weight_TK):
+def combine_local(y_MD, plan: routes.LocalPlan, weight_TK, pallas: bool = False):
     """Inverse of `dispatch_local` (a gather, not a scatter), then the weighted sum over k; x's dtype."""
-    return routes.combine_local(y_MD, plan, weight_TK)
+    return routes.combine_local(y_MD, plan, weight_TK, pallas)
 
 
 def dispatch_all_to_all(x_TD, expert_idx_TK, *, axis, num_experts: int, capacity: int, wire: str = "bf16"):
@@ -186,9 +187,11 @@ def dispatch_all_to_all(x_TD, expert_idx_TK, *, axis, num_experts: int, capacity
     return routes.send_all_to_all(x_TD, plan, axis=axis, exchange=exchange_for(wire)), plan.group_sizes, plan
 
 
-def combine_all_to_all(y_sorted_RD, plan: routes.AllToAllPlan, weight_TK, *, axis, wire: str = "bf16"):
+def combine_all_to_all(y_sorted_RD, plan: routes.AllToAllPlan, weight_TK, *, axis, wire: str = "bf16",
+                       pallas: bool = False):
     """Rows back to their source ranks (the mirror all_to_all), then the sender's weighted sum over k."""
-    return routes.combine_all_to_all(y_sorted_RD, plan, weight_TK, axis=axis, exchange=exchange_for(wire))
+    return routes.combine_all_to_all(y_sorted_RD, plan, weight_TK, axis=axis, exchange=exchange_for(wire),
+                                     pallas=pallas)
 
 
 def dispatch_all_gather(x_TD, expert_idx_TK, *, axis, num_experts: int):

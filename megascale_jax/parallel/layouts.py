@@ -195,10 +195,12 @@ class FFNDispatcher(Protocol):
 @dataclasses.dataclass(frozen=True)
 class LocalDispatch:
     """n = 1: sort the T*K assignments by expert on this device (capacity as the all_to_all at n = 1). In the
-    global view, `capacity_groups` = the data-parallel size applies the capacity per device's tokens."""
+    global view, `capacity_groups` = the data-parallel size applies the capacity per device's tokens. `pallas_rows`
+    (kernels.permute='pallas'): the dispatch's and combine's row moves as Pallas kernels (parallel/permute.py)."""
     num_experts: int
     capacity_factor: float = 0.0
     capacity_groups: int = 1
+    pallas_rows: bool = False
 
     def ffn_input(self, x_BSD):
         return x_BSD
@@ -212,10 +214,10 @@ class LocalDispatch:
         capacity = (ep.rows_per_destination(num_tokens // groups, top_k, self.num_experts, 1, self.capacity_factor)
                     if self.capacity_factor else None)
         return ep.dispatch_local(x_TD, routing.idx_TK, num_experts=self.num_experts, capacity=capacity,
-                                 groups=groups)
+                                 groups=groups, pallas=self.pallas_rows)
 
     def combine(self, y_MD, residual, weight_TK):
-        return ep.combine_local(y_MD, residual, weight_TK)
+        return ep.combine_local(y_MD, residual, weight_TK, self.pallas_rows)
 
     # The dispatch as a plan and linear moves (parallel/token_routes.py), for the macro layer's hand-written
     # backward: gradients travel along the forward's plan, each collective placed by parallel/overlap.py.
@@ -226,13 +228,13 @@ class LocalDispatch:
         return routes.plan_local(idx_TK, num_experts=self.num_experts, capacity=capacity)
 
     def send(self, x_TD, plan, *, gradient: bool = False):
-        return routes.send_local(x_TD, plan)
+        return routes.send_local(x_TD, plan, self.pallas_rows)
 
     def send_transpose(self, dx_MD, plan, num_tokens: int):
         return routes.send_local_transpose(dx_MD, plan, num_tokens)
 
     def combine_rows(self, y_MD, plan, weight_TK):
-        return routes.combine_local(y_MD, plan, weight_TK)
+        return routes.combine_local(y_MD, plan, weight_TK, self.pallas_rows)
 
     def weights_to_rows(self, weight_TK, plan):
         return routes.assignments_to_rows_local(weight_TK.reshape(-1), plan)
@@ -283,7 +285,8 @@ class AllToAllDispatch(LocalDispatch):
                                       capacity=capacity, wire=self.wire)
 
     def combine(self, y_MD, residual, weight_TK):
-        return ep.combine_all_to_all(y_MD, residual, weight_TK, axis=self.axis, wire=self.wire)
+        return ep.combine_all_to_all(y_MD, residual, weight_TK, axis=self.axis, wire=self.wire,
+                                     pallas=self.pallas_rows)
 
     def plan(self, idx_TK):
         num_tokens, top_k = idx_TK.shape
@@ -300,7 +303,8 @@ class AllToAllDispatch(LocalDispatch):
                                                 exchange=ep.gradient_exchange_for(self.wire))
 
     def combine_rows(self, y_MD, plan, weight_TK):
-        return routes.combine_all_to_all(y_MD, plan, weight_TK, axis=self.axis, exchange=ep.exchange_for(self.wire))
+        return routes.combine_all_to_all(y_MD, plan, weight_TK, axis=self.axis, exchange=ep.exchange_for(self.wire),
+                                         pallas=self.pallas_rows)
 
     def weights_to_rows(self, weight_TK, plan):
         return routes.assignments_to_rows_all_to_all(weight_TK.reshape(-1), plan, axis=self.axis)
@@ -356,7 +360,7 @@ def local_layout(num_experts: int, capacity_factor: float = 0.0) -> Layout:
 
 def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int, moe_layer: str = MoELayer.AUTODIFF,
                 remat: str = "none", overlap_chunks: int = 1, attention_exchange: str = "ring",
-                dispatch_exchange: str = "ring") -> Layout:
+                dispatch_exchange: str = "ring", pallas_rows: bool = False) -> Layout:
     """The layout `plan` calls for. Per device (manual plan or pipeline) reductions go over the mesh; the
     SP / TP / EP strategies exist only under the manual plan (under XLA the compiler communicates).
     moe_layer='macro' adds the macro block (parallel/overlap.py), which then owns the MoE blocks' remat;
@@ -365,7 +369,7 @@ def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int, moe_lay
     whose GEMM+A2A moves its tiles as `attention_exchange` says (ring_attention.AttentionExchange), and the
     dispatch's rows as `dispatch_exchange` says (expert_runs.DispatchExchange: the ring, or (expert, source)
     runs in plain JAX or in the fused AG + grouped GEMM kernel)."""
-    layout = _plain_layout(plan, num_heads=num_heads, num_experts=num_experts)
+    layout = _plain_layout(plan, num_heads=num_heads, num_experts=num_experts, pallas_rows=pallas_rows)
     if moe_layer == MoELayer.AUTODIFF:
         return layout
     if moe_layer == MoELayer.FUSED:
@@ -387,11 +391,12 @@ def make_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int, moe_lay
                                                         remat=remat, chunks=overlap_chunks))
 
 
-def _plain_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int) -> Layout:
+def _plain_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int, pallas_rows: bool = False) -> Layout:
     reductions = DeviceReductions() if plan.per_device else GlobalReductions()
     if plan.kind != PlanKind.MANUAL or plan.intra == 1:
         groups = 1 if plan.per_device else plan.data   # the global view sees every data rank's tokens
-        return Layout(reductions, LocalAttention(), LocalDispatch(num_experts, plan.capacity_factor, groups))
+        return Layout(reductions, LocalAttention(), LocalDispatch(num_experts, plan.capacity_factor, groups,
+                                                                  pallas_rows))
     attention = (UlyssesAttention(num_heads=num_heads) if plan.attention == AttentionPlan.SP
                  else MegatronAttention())
     if plan.ffn == FFNPlan.TP:
@@ -403,5 +408,5 @@ def _plain_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int) -> La
                              "config.parallel.ep_dispatch='all_to_all'.")
         ffn = AllGatherDispatch(num_experts)
     else:
-        ffn = AllToAllDispatch(num_experts, plan.capacity_factor, wire=plan.dispatch_dtype)
+        ffn = AllToAllDispatch(num_experts, plan.capacity_factor, pallas_rows=pallas_rows, wire=plan.dispatch_dtype)
     return Layout(reductions, attention, ffn)

@@ -12,14 +12,42 @@ mixtral_small, 8 x 4096 tokens, one H200). Knowing the index structure, the tran
 (order_A a permutation of the T*K assignments, as dispatch sorts them). Plain twins: `x[perm]`, `x[order // K]`
 and `permute_rows` + the weighted sum, under autodiff (tests/parallel/test_permute.py compares values and
 gradients).
+
+The last three take `pallas` (kernels.permute, resolved by `resolve_permute`): their forward and backward row moves
+run as the Pallas kernels of pallas_kernels/row_gather.py instead of XLA gathers; the XLA bodies here are their
+twins (tests/kernels/test_row_gather.py).
 """
 from __future__ import annotations
 
 import functools
+from enum import StrEnum
 
 import jax
 import jax.numpy as jnp
 from pallas_kernels.varying import match_varying
+
+
+class PermuteImpl(StrEnum):
+    XLA = "xla"         # the gathers below as XLA ops, any backend
+    PALLAS = "pallas"   # pallas_kernels/row_gather.py (GPU, per device)
+    AUTO = "auto"       # resolved at build time (`resolve_permute`)
+
+
+def resolve_permute(choice: str, *, backend: str, partitioned_by_xla: bool) -> str:
+    """`auto` -> 'pallas' on GPU where each device runs its own program, else 'xla'; 'pallas' elsewhere is an
+    error (a per-device kernel under the XLA plan on several devices would be gathered whole)."""
+    if choice == PermuteImpl.AUTO:
+        return (PermuteImpl.PALLAS if backend == "gpu" and not partitioned_by_xla else PermuteImpl.XLA).value
+    if choice == PermuteImpl.PALLAS and (backend != "gpu" or partitioned_by_xla):
+        where = f"backend {backend!r}" if backend != "gpu" else "the XLA plan on several devices"
+        raise ValueError(f"config.kernels.permute='pallas' is a per-device GPU kernel and this run has {where}; "
+                         f"use 'xla' or 'auto'")
+    return PermuteImpl(choice).value
+
+
+def _row_kernels():
+    from pallas_kernels import row_gather   # GPU kernels: imported where used
+    return row_gather
 
 
 def inverse_permutation(perm_R):
@@ -43,26 +71,31 @@ def _permute_bwd(perm_R, g_RD):
 permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def repeat_rows_sorted(x_TD, order_A, top_k: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def repeat_rows_sorted(x_TD, order_A, top_k: int, pallas: bool = False):
     """x[order // top_k]: each token's row once per assignment, in the sorted assignment order."""
-    return x_TD[order_A // top_k]
+    return _repeat_fwd(x_TD, order_A, top_k, pallas)[0]
 
 
-def _repeat_fwd(x_TD, order_A, top_k):
+def _repeat_fwd(x_TD, order_A, top_k, pallas):
+    if pallas:
+        return _row_kernels().gather_rows_sum(x_TD, (order_A // top_k)[:, None]), order_A
     return x_TD[order_A // top_k], order_A
 
 
-def _repeat_bwd(top_k, order_A, g_AD):
-    g_TKD = g_AD[inverse_permutation(order_A)].reshape(-1, top_k, g_AD.shape[-1])
+def _repeat_bwd(top_k, pallas, order_A, g_AD):
+    rows_TK = inverse_permutation(order_A).reshape(-1, top_k)
+    if pallas:
+        return _row_kernels().gather_rows_sum(g_AD, rows_TK), None
+    g_TKD = g_AD[rows_TK]
     return jnp.sum(g_TKD.astype(jnp.float32), axis=1).astype(g_AD.dtype), None
 
 
 repeat_rows_sorted.defvjp(_repeat_fwd, _repeat_bwd)
 
 
-@jax.custom_vjp
-def gather_weighted_sum(y_RD, rows_A, assignment_R, kept_A, weight_TK):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def gather_weighted_sum(y_RD, rows_A, assignment_R, kept_A, weight_TK, pallas: bool = False):
     """out[t] = sum_k weight[t, k] * y[rows[t*K + k]] over the kept assignments (a dropped one adds 0, whatever
     its row holds), in float32: the combine of a sorted expert buffer. `rows_A` (row of each assignment) and
     `assignment_R` (assignment in each row) are inverse permutations.
@@ -72,7 +105,7 @@ def gather_weighted_sum(y_RD, rows_A, assignment_R, kept_A, weight_TK):
     gathers again for the weights' gradient. Measured: time unchanged (deepseekmoe_small on an H100, the
     combine's kernels 1.68 vs 1.69 ms a step), the step's temporary memory 36 MB (2.3%) smaller in a CPU compile of a
     small top-6 config (benchmarks/results/train_step_swiglu_kernel_bwd_1xh100.json)."""
-    return _gather_weighted_sum(y_RD, rows_A, kept_A, weight_TK)
+    return _gather_weighted_sum(y_RD, rows_A, kept_A, weight_TK, pallas)
 
 
 def _gathered_kept(y_RD, rows_A, kept_A, top_k):
@@ -81,19 +114,31 @@ def _gathered_kept(y_RD, rows_A, kept_A, top_k):
     return y_AD.reshape(-1, top_k, y_RD.shape[-1])
 
 
-def _gather_weighted_sum(y_RD, rows_A, kept_A, weight_TK):
+def _gather_weighted_sum(y_RD, rows_A, kept_A, weight_TK, pallas=False):
+    if pallas:
+        rows = jnp.arange(kept_A.shape[0], dtype=jnp.int32) if rows_A is None else rows_A
+        idx_TK = jnp.where(kept_A, rows, -1).reshape(weight_TK.shape)
+        return _row_kernels().gather_rows_sum(y_RD, idx_TK, weight_TK.astype(jnp.float32), jnp.float32)
     y_TKD = _gathered_kept(y_RD, rows_A, kept_A, weight_TK.shape[1])
     return jnp.einsum("tkd,tk->td", y_TKD, weight_TK.astype(jnp.float32))
 
 
-def _gws_fwd(y_RD, rows_A, assignment_R, kept_A, weight_TK):
-    return _gather_weighted_sum(y_RD, rows_A, kept_A, weight_TK), (y_RD, rows_A, assignment_R, kept_A, weight_TK)
+def _gws_fwd(y_RD, rows_A, assignment_R, kept_A, weight_TK, pallas):
+    return (_gather_weighted_sum(y_RD, rows_A, kept_A, weight_TK, pallas),
+            (y_RD, rows_A, assignment_R, kept_A, weight_TK))
 
 
-def _gws_bwd(residuals, g_TD):
+def _gws_bwd(pallas, residuals, g_TD):
     y_RD, rows_A, assignment_R, kept_A, weight_TK = residuals
     top_k = weight_TK.shape[1]
     g_TD = g_TD.astype(jnp.float32)
+    if pallas:   # one pass per token: its K rows' dots with g (the weights' gradient) and their cotangents
+        rows = jnp.arange(kept_A.shape[0], dtype=jnp.int32) if rows_A is None else rows_A
+        w_TK = jnp.where(kept_A, weight_TK.reshape(-1).astype(jnp.float32), 0).reshape(weight_TK.shape)
+        d_y, d_weight = _row_kernels().combine_backward(y_RD, rows.reshape(weight_TK.shape), w_TK, g_TD)
+        d_weight = jnp.where(kept_A.reshape(weight_TK.shape), d_weight, 0)   # a dropped row's dot is junk
+        return (match_varying(d_y, y_RD, g_TD, weight_TK), None, None, None,
+                match_varying(d_weight.astype(weight_TK.dtype), weight_TK, g_TD, y_RD))
     d_weight = jnp.einsum("tkd,td->tk", _gathered_kept(y_RD, rows_A, kept_A, top_k), g_TD)
     # row r held assignment a = assignment[r] of token a // K: its cotangent is weight[a] * g[a // K] (0 if dropped)
     w_A = jnp.where(kept_A, weight_TK.reshape(-1).astype(jnp.float32), 0)
@@ -108,22 +153,22 @@ def _gws_bwd(residuals, g_TD):
 gather_weighted_sum.defvjp(_gws_fwd, _gws_bwd)
 
 
-@jax.custom_vjp
-def kept_weighted_sum(y_AD, kept_A, weight_TK):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def kept_weighted_sum(y_AD, kept_A, weight_TK, pallas: bool = False):
     """`gather_weighted_sum` for rows already in assignment order (the all_to_all combine's returned rows): the same
     sum; its backward keeps y in its own dtype where autodiff of the plain twin (token_routes.weighted_sum_over_k)
     keeps the masked rows and their float32 copy, [T*K, D] each, until the backward. A CPU compile of the manual
     SP+EP step (8 devices, intra 4, all_to_all dispatch, top-6, hidden 256): 86.7 vs 89.0 MB of temporaries."""
-    return _gather_weighted_sum(y_AD, None, kept_A, weight_TK)
+    return _gather_weighted_sum(y_AD, None, kept_A, weight_TK, pallas)
 
 
-def _kws_fwd(y_AD, kept_A, weight_TK):
-    return _gather_weighted_sum(y_AD, None, kept_A, weight_TK), (y_AD, kept_A, weight_TK)
+def _kws_fwd(y_AD, kept_A, weight_TK, pallas):
+    return _gather_weighted_sum(y_AD, None, kept_A, weight_TK, pallas), (y_AD, kept_A, weight_TK)
 
 
-def _kws_bwd(residuals, g_TD):
+def _kws_bwd(pallas, residuals, g_TD):
     y_AD, kept_A, weight_TK = residuals
-    d_y, _, _, _, d_weight = _gws_bwd((y_AD, None, None, kept_A, weight_TK), g_TD)
+    d_y, _, _, _, d_weight = _gws_bwd(pallas, (y_AD, None, None, kept_A, weight_TK), g_TD)
     return d_y, None, d_weight
 
 

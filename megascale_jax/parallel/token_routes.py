@@ -104,20 +104,21 @@ def plan_local(expert_idx_TK, *, num_experts: int, capacity: int | None = None, 
     return LocalPlan(order_A, kept_A, kept_E.astype(jnp.int32), dropped, counts_E)
 
 
-def send_local(x_TD, plan: LocalPlan):
-    """x_MD: each token's row once per assignment, in expert order (rows past the kept ones are junk)."""
-    return repeat_rows_sorted(x_TD, plan.order_A, plan.order_A.shape[0] // x_TD.shape[0])
+def send_local(x_TD, plan: LocalPlan, pallas: bool = False):
+    """x_MD: each token's row once per assignment, in expert order (rows past the kept ones are junk). `pallas`:
+    the row moves as Pallas kernels (kernels.permute; parallel/permute.py)."""
+    return repeat_rows_sorted(x_TD, plan.order_A, plan.order_A.shape[0] // x_TD.shape[0], pallas)
 
 
 def send_local_transpose(dx_MD, plan: LocalPlan, num_tokens: int):
     return _sum_over_k(dx_MD[inverse_permutation(plan.order_A)], plan.kept_A, num_tokens, dx_MD.dtype)
 
 
-def combine_local(y_MD, plan: LocalPlan, weight_TK):
+def combine_local(y_MD, plan: LocalPlan, weight_TK, pallas: bool = False):
     """Each assignment's row gathered back (the inverse permutation: a gather, not a scatter) inside the
     weighted sum over k; y's dtype. Twin: `permute_rows` + `weighted_sum_over_k` (tests/parallel/test_permute.py)."""
     rows_A = inverse_permutation(plan.order_A)
-    return gather_weighted_sum(y_MD, rows_A, plan.order_A, plan.kept_A, weight_TK).astype(y_MD.dtype)
+    return gather_weighted_sum(y_MD, rows_A, plan.order_A, plan.kept_A, weight_TK, pallas).astype(y_MD.dtype)
 
 
 def assignments_to_rows_local(s_A, plan: LocalPlan):
@@ -210,10 +211,11 @@ def send_all_to_all_transpose(dx_RD, plan: AllToAllPlan, num_tokens: int, *, axi
     return _sum_over_k(dx_AD, plan.kept_A, num_tokens, dx_RD.dtype)
 
 
-def combine_all_to_all(y_RD, plan: AllToAllPlan, weight_TK, *, axis, exchange=collectives.exchange_tokens):
+def combine_all_to_all(y_RD, plan: AllToAllPlan, weight_TK, *, axis, exchange=collectives.exchange_tokens,
+                       pallas: bool = False):
     """Rows back to their source ranks (the mirror all_to_all), then the sender's weighted sum over k."""
     y_AD = _return_rows_all_to_all(y_RD, plan, axis, exchange)
-    return kept_weighted_sum(y_AD, plan.kept_A, weight_TK).astype(y_RD.dtype)   # twin: weighted_sum_over_k
+    return kept_weighted_sum(y_AD, plan.kept_A, weight_TK, pallas).astype(y_RD.dtype)   # twin: weighted_sum_over_k
 
 
 def assignments_to_rows_all_to_all(s_A, plan: AllToAllPlan, *, axis):
