@@ -86,8 +86,8 @@ def get_config() -> ConfigDict:
     # kernel | mask | auto (mask for the pallas kernel under expert parallelism, where receive buffers are mostly
     # tail rows: the expert FFN fwd+bwd 1.035x (Mixtral EP8) / 1.235x (Qwen3 EP8) faster on an H200)
     c.kernels.grouped_gemm_tail = "auto"
-    # auto | xla | pallas (the loss head's softmax passes; auto: pallas on GPU per device) | pallas_fused (the head GEMM
-    # and the loss as one custom VJP: its forward kernel writes the logits' gradient over them; not the default yet)
+    # auto | xla | pallas (the loss head's softmax passes as two kernels) | pallas_fused (the head GEMM and the loss as
+    # one custom VJP: its forward kernel writes the logits' gradient over them). auto: pallas_fused on GPU per device
     c.kernels.cross_entropy = "auto"
     # auto | xla | pallas (the dispatch's and combine's row gathers, forward and backward, as Pallas kernels:
     # pallas_kernels/row_gather.py; auto: pallas on GPU per device)

@@ -126,14 +126,17 @@ class CrossEntropyImpl(StrEnum):
 
 
 def resolve_cross_entropy(choice: str, *, backend: str, partitioned_by_xla: bool) -> str:
-    """`auto` -> 'pallas' on GPU where each device runs its own program (one device, or the manual plans' and the
-    pipelines' shard_map), else 'xla'. Measured inside deepseekmoe_small's train step (8 x 4096 tokens, 102400-word
-    vocabulary, one H100, same call): the loss head's softmax passes 7.4 ms (forward 2.7, backward 4.7) against the
-    XLA form's 9.9, 166.5k against 165.5k tokens/s (benchmarks/results/train_step_cross_entropy_1xh100.json).
+    """`auto` -> 'pallas_fused' on GPU where each device runs its own program (one device, or the manual plans' and
+    the pipelines' shard_map), else 'xla'. Measured inside deepseekmoe_small's train step (8 x 4096 tokens,
+    102400-word vocabulary, one H100, same call): the loss head's softmax passes 7.4 ms (forward 2.7, backward 4.7)
+    against the XLA form's 9.9, 166.5k against 165.5k tokens/s (benchmarks/results/train_step_cross_entropy_1xh100
+    .json); 'pallas_fused' 6.9 ms in one kernel, and one [T, V] array less in the backward
+    (benchmarks/results/cross_entropy_fused_head_1xh100.json).
     Where the XLA compiler partitions the step over several devices (the XLA plan without a pipeline) a custom
     kernel would be gathered whole: 'pallas' there, or off the GPU, is an error."""
     if choice == CrossEntropyImpl.AUTO:
-        return (CrossEntropyImpl.PALLAS if backend == "gpu" and not partitioned_by_xla else CrossEntropyImpl.XLA).value
+        return (CrossEntropyImpl.PALLAS_FUSED if backend == "gpu" and not partitioned_by_xla
+                else CrossEntropyImpl.XLA).value
     if choice in (CrossEntropyImpl.PALLAS, CrossEntropyImpl.PALLAS_FUSED) and (backend != "gpu" or partitioned_by_xla):
         where = f"backend {backend!r}" if backend != "gpu" else "the XLA plan on several devices"
         raise ValueError(f"config.kernels.cross_entropy={choice!r} is a per-device GPU kernel and this run has {where}; "
