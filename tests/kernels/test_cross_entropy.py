@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from megascale_jax.model.layers import (CrossEntropyImpl, cross_entropy, pallas_cross_entropy,
-                                        resolve_cross_entropy)
+                                        pallas_head_cross_entropy, resolve_cross_entropy)
 from pallas_kernels.cross_entropy import CHUNK, cross_entropy_per_token
 from tests.kernels.triton_lowering import lowered_train_step_for_cuda
 
@@ -90,9 +90,10 @@ def test_resolution_by_backend_and_plan():
         resolve_cross_entropy("pallas", backend="gpu", partitioned_by_xla=True)
 
 
-def test_the_models_loss_and_gradients_with_the_pallas_cross_entropy(monkeypatch):
-    """The tiny model in bf16 compute: kernels.cross_entropy 'pallas' (interpret mode) against 'xla', the loss
-    and every parameter's gradient."""
+@pytest.mark.parametrize("impl, tied", [("pallas", False), ("pallas_fused", False), ("pallas_fused", True)])
+def test_the_models_loss_and_gradients_with_the_pallas_cross_entropy(monkeypatch, impl, tied):
+    """The tiny model in bf16 compute: kernels.cross_entropy 'pallas' and 'pallas_fused' (interpret mode; the latter
+    with the untied head and the tied table) against 'xla', the loss and every parameter's gradient."""
     from flax import nnx
 
     from megascale_jax import step
@@ -101,19 +102,22 @@ def test_the_models_loss_and_gradients_with_the_pallas_cross_entropy(monkeypatch
     from megascale_jax.parallel.layouts import local_layout
 
     monkeypatch.setattr(transformer, "pallas_cross_entropy", functools.partial(pallas_cross_entropy, interpret=True))
-    cfg = default_config("tiny_cpu", num_devices=8, **{"train.compute_dtype": "bfloat16"})
+    monkeypatch.setattr(transformer, "pallas_head_cross_entropy",
+                        functools.partial(pallas_head_cross_entropy, interpret=True))
+    cfg = default_config("tiny_cpu", num_devices=8, **{"train.compute_dtype": "bfloat16",
+                                                      "model.tie_embeddings": tied})
     layout = local_layout(num_experts=cfg.model.moe.num_experts)
     tokens = jax.random.randint(jax.random.key(3), (2, 33), 0, cfg.model.vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     results = {}
-    for impl in ("xla", "pallas"):
-        model = step.new_model(cfg, transformer.Kernels(cross_entropy=impl))
+    for choice in ("xla", impl):
+        model = step.new_model(cfg, transformer.Kernels(cross_entropy=choice))
         graphdef, params = nnx.split(model)
 
         def loss(p):
             return nnx.merge(graphdef, p).loss(batch, layout)[0]
-        results[impl] = jax.value_and_grad(loss)(params)
-    (v, g), (v_want, g_want) = results["pallas"], results["xla"]
+        results[choice] = jax.value_and_grad(loss)(params)
+    (v, g), (v_want, g_want) = results[impl], results["xla"]
     assert float(v) == pytest.approx(float(v_want), rel=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g_want)):
         scale = float(np.abs(b).max())
