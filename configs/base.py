@@ -90,7 +90,7 @@ def get_config() -> ConfigDict:
     # one custom VJP: its forward kernel writes the logits' gradient over them). auto: pallas_fused on GPU per device
     c.kernels.cross_entropy = "auto"
     # auto | xla | pallas (the dispatch's and combine's row gathers, forward and backward, as Pallas kernels:
-    # pallas_kernels/row_gather.py; auto: pallas on GPU per device)
+    # pallas_kernels/row_gather.py; GPU per device; not yet run on a GPU, so auto is xla)
     c.kernels.permute = "auto"
     # auto | separate | separate_pallas_bwd (the activation's backward in one Pallas pass) | fused (first expert
     # GEMMs + SwiGLU in one kernel; not faster yet). auto: separate_pallas_bwd on GPU per device, for the experts only

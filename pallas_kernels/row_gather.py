@@ -11,6 +11,8 @@ Why: XLA's gathers of these rows ran at ~1.0-1.2 TB/s on an H100 (deepseekmoe_sm
 gather 0.68 ms and the combine's weights gradient 0.84 ms per layer, each moving ~0.9 GB), a third of the HBM
 speed, while each row here is 2-14 KB of contiguous bytes. parallel/permute.py's custom VJPs call these for
 `kernels.permute='pallas'`; their XLA bodies are the plain twins (tests/kernels/test_row_gather.py).
+Status: equal to the twins in the CPU interpreter and lowered for CUDA inside the manual step's checked shard_map;
+not yet compiled or timed on a GPU, so `kernels.permute='auto'` does not pick them.
 """
 from __future__ import annotations
 
