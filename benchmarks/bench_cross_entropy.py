@@ -96,13 +96,13 @@ def pallas_tiles(chunk: int, num_warps: int):
 
 SWEEP = [(1024, 4), (4096, 4), (2048, 8), (4096, 8)]   # (columns per step, warps); the default is 2048, 4
 # loss_and_logit_grad (the fused head's one kernel: loss and softmax - one-hot, written to a new array here):
-# (programs, columns per step, warps); programs 0 = one per row (the default). Persistent grids of 132-1056
-# programs ran 8.4-13.9 ms at deepseekmoe_small's shape on an H100, one program per row 6.8 ms
+# (columns per step, warps), one program per row. Persistent grids of 132-1056 programs striding over the rows ran
+# 8.4-13.9 ms at deepseekmoe_small's shape on an H100, one program per row 6.8 ms, and were removed
 # (benchmarks/results/cross_entropy_fused_head_1xh100.json)
-FUSED = [(0, 2048, 4), (0, 4096, 8), (0, 4096, 16), (0, 16384, 32), (1056, 4096, 16)]
+FUSED = [(2048, 4), (4096, 8), (4096, 16), (16384, 32)]
 
 
-def fused_loss_and_grad(programs: int, chunk: int, num_warps: int, interpret: bool = False):
+def fused_loss_and_grad(chunk: int, num_warps: int, interpret: bool = False):
     """The fused kernel alone: the mean loss and d (its whole [T, V] cost in the fused head; what remains of the
     backward there is a scale on the head GEMMs' [T, D] side)."""
     from pallas_kernels.cross_entropy import loss_and_logit_grad
@@ -110,7 +110,7 @@ def fused_loss_and_grad(programs: int, chunk: int, num_warps: int, interpret: bo
     def f(logits_BSV, targets_BS):
         b, s, v = logits_BSV.shape
         loss, d = loss_and_logit_grad(logits_BSV.reshape(b * s, v), targets_BS.reshape(b * s), interpret, chunk,
-                                      num_warps, programs, alias=False)
+                                      num_warps, alias=False)
         return jnp.mean(loss), d
     return f
 
@@ -127,8 +127,8 @@ def bench_shape(name: str, shape, loops: int, sweep: bool = False, interpret: bo
     for label, f in variants.items():
         fns[f"{label}/fwd"] = jax.jit(f)
         fns[f"{label}/fwd+bwd"] = jax.jit(jax.value_and_grad(f))
-    for p, c, w in FUSED:
-        fns[f"fused_p{p}_c{c}_w{w}/fwd+bwd"] = jax.jit(fused_loss_and_grad(p, c, w, interpret))
+    for c, w in FUSED:
+        fns[f"fused_c{c}_w{w}/fwd+bwd"] = jax.jit(fused_loss_and_grad(c, w, interpret))
     losses, errors = {}, {}
     for key in list(fns):   # a variant that does not compile is recorded and left out of the timing
         label, part = key.split("/")

@@ -1,8 +1,11 @@
-"""Token cross-entropy over a large vocabulary in two Pallas (Triton backend) passes over the bf16 logits:
+"""Token cross-entropy over a large vocabulary as Pallas (Triton backend) passes over the bf16 logits:
 
     forward   one read: per row a running max and exp-sum over column chunks (one exponential per logit) and the
               target's logit -> log Z and the target logit, float32 [T];
-    backward  one read and one write: d logits = g (exp(x - log Z) - one-hot), in the logits' dtype.
+    backward  one read and one write: d logits = g (exp(x - log Z) - one-hot), in the logits' dtype;
+    fused     `loss_and_logit_grad`: both in one kernel, d = softmax - one-hot written over the logits, for
+              `head_cross_entropy_per_token` (the output head's GEMM and the loss as one custom VJP whose backward
+              scales the GEMMs' [T, D] side by the cotangent: kernels.cross_entropy='pallas_fused').
 
 Why not XLA's: jax.nn.logsumexp is a max pass and an exp-sum pass over the logits, and XLA's exp-sum and backward
 passes run well below HBM speed: on an H200, 4.3 ms for the forward and 4.7 ms for the backward of
@@ -13,7 +16,8 @@ accurate exponential (Triton lowers jnp.exp to __nv_expf); the forward's gain is
 
 `cross_entropy_per_token(logits_TV, targets_T)` is a custom VJP; its plain twin is the model's XLA form
 (megascale_jax/model/layers.cross_entropy), compared in tests/kernels/test_cross_entropy.py (interpret mode
-on the CPU, compiled on the GPU). A target outside the vocabulary gives NaN, as the plain form does.
+on the CPU, compiled on the GPU); the fused head's twin is `cross_entropy_per_token` of the same GEMM
+(tests/kernels/test_fused_head_cross_entropy.py). A target outside the vocabulary gives NaN, as the plain form does.
 """
 from __future__ import annotations
 
@@ -26,17 +30,15 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.varying import match_varying, output_struct, vary_like
 
-__all__ = ["cross_entropy_per_token", "head_cross_entropy_per_token", "loss_and_logit_grad", "CHUNK", "NUM_WARPS",
-           "PROGRAMS"]
+__all__ = ["cross_entropy_per_token", "head_cross_entropy_per_token", "loss_and_logit_grad", "CHUNK", "NUM_WARPS"]
 
 CHUNK = 2048      # columns per loop step: 2048 bf16 = 4 KB per row and step, 16 per thread of 4 warps
 NUM_WARPS = 4
-PROGRAMS = 0      # the fused kernel: 0 = one program per row (persistent grids of 132-1056 measured slower)
 
 
-def _forward_kernel(x_ref, target_ref, log_z_ref, target_logit_ref, *, chunk: int):
+def _row_statistics(x_ref, target, chunk: int):
+    """(log Z, the target's logit) of one row ref, float32, in one read over column chunks."""
     n = x_ref.shape[0]
-    target = target_ref[...]
 
     def body(i, carry):
         m, s, hit = carry
@@ -51,8 +53,11 @@ def _forward_kernel(x_ref, target_ref, log_z_ref, target_logit_ref, *, chunk: in
 
     m, s, hit = jax.lax.fori_loop(0, pl.cdiv(n, chunk), body,
                                   (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.zeros((chunk,), jnp.float32)))
-    log_z_ref[...] = m + jnp.log(s)
-    target_logit_ref[...] = jnp.sum(hit)
+    return m + jnp.log(s), jnp.sum(hit)
+
+
+def _forward_kernel(x_ref, target_ref, log_z_ref, target_logit_ref, *, chunk: int):
+    log_z_ref[...], target_logit_ref[...] = _row_statistics(x_ref, target_ref[...], chunk)
 
 
 def _backward_kernel(x_ref, target_ref, log_z_ref, g_ref, dx_ref, *, chunk: int):
@@ -68,38 +73,22 @@ def _backward_kernel(x_ref, target_ref, log_z_ref, g_ref, dx_ref, *, chunk: int)
         plgpu.store(dx_ref.at[cols], d.astype(dx_ref.dtype), mask=mask)
 
 
-def _loss_and_grad_kernel(x_ref, target_ref, d_ref, log_z_ref, target_logit_ref, *, chunk: int, programs: int):
-    """Per row: the forward's pass (log Z, the target's logit), then d = exp(x - log Z) - one-hot over the same
-    row, stored over it when d_ref aliases x_ref (each chunk is read before it is written)."""
-    t, n = x_ref.shape
+def _loss_and_grad_kernel(x_ref, target_ref, d_ref, log_z_ref, target_logit_ref, *, chunk: int):
+    """One row: the forward's statistics, then d = exp(x - log Z) - one-hot over the same row, stored over it when
+    d_ref aliases x_ref (each chunk is read before it is written, by this program alone)."""
+    n, target = x_ref.shape[0], target_ref[...]
+    log_z, target_logit = _row_statistics(x_ref, target, chunk)
+    log_z_ref[...], target_logit_ref[...] = log_z, target_logit
     chunks = pl.cdiv(n, chunk)
 
-    @pl.loop(pl.program_id(0), t, step=programs)
-    def _(row):
-        target = target_ref[row]
-
-        def body(i, carry):
-            m, s, hit = carry
-            cols = i * chunk + jnp.arange(chunk)
-            x = plgpu.load(x_ref.at[row, cols], mask=cols < n, other=-jnp.inf).astype(jnp.float32)
-            m_new = jnp.maximum(m, jnp.max(x))
-            shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)   # as _forward_kernel
-            s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift))
-            return m_new, s, hit + jnp.where(cols == target, x, 0.0)
-
-        m, s, hit = jax.lax.fori_loop(0, chunks, body,
-                                      (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.zeros((chunk,), jnp.float32)))
-        log_z = m + jnp.log(s)
-        log_z_ref[row] = log_z
-        target_logit_ref[row] = jnp.sum(hit)
-
-        @pl.loop(0, chunks)
-        def _(j):   # last chunk first: the most recently read bytes are the likeliest still in L2
-            cols = (chunks - 1 - j) * chunk + jnp.arange(chunk)
-            mask = cols < n
-            x = plgpu.load(x_ref.at[row, cols], mask=mask, other=0.0).astype(jnp.float32)
-            d = jnp.exp(x - log_z) - jnp.where(cols == target, 1.0, 0.0)
-            plgpu.store(d_ref.at[row, cols], d.astype(d_ref.dtype), mask=mask)
+    @pl.loop(0, chunks)
+    def _(j):   # last chunk first, the most recently read (on an H100 6.83 ms against 6.95 in the forward order,
+        #         two calls whose two-kernel reference both read 7.24 ms)
+        cols = (chunks - 1 - j) * chunk + jnp.arange(chunk)
+        mask = cols < n
+        x = plgpu.load(x_ref.at[cols], mask=mask, other=0.0).astype(jnp.float32)
+        d = jnp.exp(x - log_z) - jnp.where(cols == target, 1.0, 0.0)
+        plgpu.store(d_ref.at[cols], d.astype(d_ref.dtype), mask=mask)
 
 
 def _row_spec(v):
@@ -159,30 +148,25 @@ cross_entropy_per_token.defvjp(_vjp_forward, _vjp_backward)
 
 
 def loss_and_logit_grad(logits_TV, targets_T, interpret: bool = False, chunk: int = CHUNK,
-                        num_warps: int = NUM_WARPS, programs: int = PROGRAMS, alias: bool = True):
+                        num_warps: int = NUM_WARPS, alias: bool = True):
     """(float32 [T] loss as `cross_entropy_per_token`, d [T, V] = softmax - one-hot in the logits' dtype) in one
     kernel whose d is written over the logits (input_output_aliases: XLA copies them first only if they are used
     after this call). The loss's gradient w.r.t. the logits is g[:, None] * d for a cotangent g; in
     `head_cross_entropy_per_token` the scale by g moves onto the head GEMMs' [T, D] side, so the logits take two
-    passes (a read and a read + write) instead of three (forward read; backward read + write), and no second
-    [T, V] array is alive at once.
-    Each program takes the rows program_id, + `programs`, ...: a row's second read comes while its bytes are
-    still in L2 when `programs` x the row's bytes fit there (264 x 200 KB for a 102400-word vocabulary in bf16:
-    53 MB, the H100's / H200's 50 MB L2). `alias=False` writes d to a new array (bench_cross_entropy: a jitted
-    function's argument is not donated, so an alias would copy it first)."""
+    kernels become one, and no second [T, V] array is alive at once. One program per row reads it twice (the second
+    read mostly from HBM: on an H100 the kernel takes ~3 elementwise passes' time, 6.83 vs the two kernels' 7.24 ms
+    at 32768 x 102400; persistent grids that kept fewer rows in flight, to hit L2, were slower:
+    benchmarks/results/cross_entropy_fused_head_1xh100.json). `alias=False` writes d to a new array
+    (bench_cross_entropy: a jitted function's argument is not donated, so an alias would copy it first)."""
     t, v = logits_TV.shape
     if chunk & (chunk - 1):
         raise ValueError(f"loss_and_logit_grad: chunk={chunk} must be a power of 2 (Triton's block sizes)")
     targets_T = targets_T.astype(jnp.int32)
     logits_TV, targets_T = (vary_like(a, logits_TV, targets_T) for a in (logits_TV, targets_T))
     scalar = output_struct((t,), jnp.float32, logits_TV, targets_T)
-    grid = min(programs, t) if programs > 0 else t
     d, log_z, target_logit = pl.pallas_call(
-        functools.partial(_loss_and_grad_kernel, chunk=chunk, programs=grid), grid=(grid,),
-        # every program sees all rows (and picks its own)
-        in_specs=[pl.BlockSpec((t, v), lambda p: (0, 0)), pl.BlockSpec((t,), lambda p: (0,))],
-        out_specs=[pl.BlockSpec((t, v), lambda p: (0, 0)), pl.BlockSpec((t,), lambda p: (0,)),
-                   pl.BlockSpec((t,), lambda p: (0,))],
+        functools.partial(_loss_and_grad_kernel, chunk=chunk), grid=(t,),
+        in_specs=[_row_spec(v), _SCALAR], out_specs=[_row_spec(v), _SCALAR, _SCALAR],
         out_shape=[output_struct(logits_TV.shape, logits_TV.dtype, logits_TV, targets_T), scalar, scalar],
         input_output_aliases={0: 0} if alias else {}, compiler_params=plgpu.CompilerParams(num_warps=num_warps),
         interpret=interpret, name="cross_entropy_loss_and_grad")(logits_TV, targets_T)
@@ -199,7 +183,7 @@ def head_cross_entropy_per_token(x_TD, w, targets_T, w_is_VD: bool = False, inte
     """float32 [T]: `cross_entropy_per_token(x_TD @ W)` with W = w ([D, V]), or w.T where `w_is_VD` (a tied
     embedding table [V, D]); x and w in the compute dtype. The output head's GEMM and the loss as one custom VJP
     (the forward writes the logits' gradient up to the cotangent; see `loss_and_logit_grad`). Its plain twin is
-    `cross_entropy_per_token` of the same einsum (tests/kernels/test_cross_entropy.py)."""
+    `cross_entropy_per_token` of the same einsum (tests/kernels/test_fused_head_cross_entropy.py)."""
     return cross_entropy_per_token(_head_logits(x_TD, w, w_is_VD), targets_T, interpret)
 
 

@@ -32,6 +32,8 @@ NUM_WARPS = 4
 
 
 def _block(d: int, block_d: int) -> int:
+    if block_d & (block_d - 1):
+        raise ValueError(f"row_gather: block_d={block_d} must be a power of 2 (Triton's block sizes)")
     return min(block_d, pl.next_power_of_2(d))
 
 

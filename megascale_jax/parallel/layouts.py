@@ -196,7 +196,9 @@ class FFNDispatcher(Protocol):
 class LocalDispatch:
     """n = 1: sort the T*K assignments by expert on this device (capacity as the all_to_all at n = 1). In the
     global view, `capacity_groups` = the data-parallel size applies the capacity per device's tokens. `pallas_rows`
-    (kernels.permute='pallas'): the dispatch's and combine's row moves as Pallas kernels (parallel/permute.py)."""
+    (kernels.permute='pallas'): the local sort's row moves as Pallas kernels (parallel/permute.py): the gather into
+    expert order and the weighted combine, forward and backward (the macro layer's hand-written send transpose stays
+    XLA); the all_to_all dispatcher below uses them for its combine's weighted sum."""
     num_experts: int
     capacity_factor: float = 0.0
     capacity_groups: int = 1
@@ -400,8 +402,12 @@ def _plain_layout(plan: ParallelPlan, *, num_heads: int, num_experts: int, palla
     attention = (UlyssesAttention(num_heads=num_heads) if plan.attention == AttentionPlan.SP
                  else MegatronAttention())
     if plan.ffn == FFNPlan.TP:
-        ffn = TensorParallelDispatch(num_experts, plan.capacity_factor)
+        ffn = TensorParallelDispatch(num_experts, plan.capacity_factor, pallas_rows=pallas_rows)
     elif plan.dispatch == EPDispatch.ALL_GATHER:
+        if pallas_rows:
+            raise ValueError("config.kernels.permute='pallas' covers the local and all_to_all dispatches; this plan "
+                             "uses the all_gather dispatch: set kernels.permute='xla' or 'auto', or "
+                             "parallel.ep_dispatch='all_to_all'.")
         if plan.capacity_factor:
             raise ValueError(f"capacity_factor={plan.capacity_factor} applies to the all_to_all dispatch only; "
                              "all_gather is dropless: set config.model.moe.capacity_factor=0 or "

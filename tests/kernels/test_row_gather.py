@@ -21,7 +21,9 @@ from tests.kernels.triton_lowering import lowered_train_step_for_cuda
 
 @pytest.fixture
 def interpreted(monkeypatch):
-    """The kernels in interpret mode wherever parallel/permute.py calls them."""
+    """The kernels in interpret mode wherever parallel/permute.py calls them (it reaches them as attributes of the
+    module it imports, which is this one)."""
+    assert permute._row_kernels() is row_gather
     for name in ("gather_rows_sum", "combine_backward"):
         monkeypatch.setattr(row_gather, name, functools.partial(getattr(row_gather, name), interpret=True))
 
@@ -67,6 +69,8 @@ def test_interpret_combine_backward_matches_xla(block_d):
     np.testing.assert_array_equal(np.asarray(d_y, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32))
     with pytest.raises(ValueError, match="must permute y's"):
         combine_backward(y[:-1], rows_TK, weight, g, interpret=True)
+    with pytest.raises(ValueError, match="block_d=100 must be a power of 2"):
+        combine_backward(y, rows_TK, weight, g, interpret=True, block_d=100)
 
 
 def _values_and_grads(f, *args, g):
@@ -140,8 +144,10 @@ def test_resolution_by_backend_and_plan():
         resolve_permute("pallas", backend="gpu", partitioned_by_xla=True)
 
 
-def test_the_models_loss_and_gradients_with_the_row_kernels(interpreted):
-    """The tiny model in bf16 (local dispatch): the layout's row moves as kernels against XLA's gathers."""
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
+def test_the_models_loss_and_gradients_with_the_row_kernels(interpreted, capacity_factor):
+    """The tiny model in bf16 (local dispatch, dropless and with a capacity that drops): the layout's row moves as
+    kernels against XLA's gathers."""
     from flax import nnx
 
     from megascale_jax import step
@@ -155,20 +161,25 @@ def test_the_models_loss_and_gradients_with_the_row_kernels(interpreted):
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     results = []
     for pallas in (True, False):
-        layout = dataclasses.replace(local_layout(num_experts=cfg.model.moe.num_experts),
-                                     ffn=LocalDispatch(cfg.model.moe.num_experts, pallas_rows=pallas))
+        layout = dataclasses.replace(local_layout(num_experts=cfg.model.moe.num_experts), ffn=LocalDispatch(
+            cfg.model.moe.num_experts, capacity_factor=capacity_factor, pallas_rows=pallas))
         results.append(jax.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(batch, layout)[0])(params))
     (v, grads), (v_want, grads_want) = results
     assert float(v) == pytest.approx(float(v_want), rel=1e-5)
+    if capacity_factor:   # the case drops tokens: the combine's masking is exercised
+        assert int(nnx.merge(graphdef, params).loss(batch, layout)[1]["dropped_tokens"]) > 0
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_want)):
         np.testing.assert_allclose(a, b, atol=2e-2 * float(np.abs(b).max()), err_msg=jax.tree_util.keystr(path))
 
 
-def test_the_train_step_with_the_row_kernels_lowers_for_the_gpu(monkeypatch):
-    """The manual SP+EP step (all_to_all dispatch over 4 ranks) with kernels.permute='pallas', lowered for CUDA on
-    the CPU: the all_to_all combine's weighted sum and its backward become Triton calls in the checked shard_map."""
-    text = lowered_train_step_for_cuda(monkeypatch, permute="pallas")
-    assert "gather_rows_sum" in text and "combine_backward" in text
+@pytest.mark.parametrize("intra", [4, 1])
+def test_the_train_step_with_the_row_kernels_lowers_for_the_gpu(monkeypatch, intra):
+    """The manual step with kernels.permute='pallas', lowered for CUDA on the CPU, in its checked shard_map: over
+    4 ranks (all_to_all dispatch) the combine's weighted sum and its backward become Triton calls; on 1 (the local
+    sort) also the dispatch's gather and its backward's sum (two more gather_rows_sum calls per MoE layer)."""
+    text = lowered_train_step_for_cuda(monkeypatch, {"parallel.intra": intra}, permute="pallas")
+    gathers, backwards = text.count('name = "gather_rows_sum"'), text.count('name = "combine_backward"')
+    assert backwards > 0 and gathers == (3 if intra == 1 else 1) * backwards
 
 
 @pytest.mark.gpu
@@ -184,5 +195,17 @@ def test_gpu_kernels_match_xla(tokens, top_k, d):
                   _values_and_grads(lambda y, w: gather_weighted_sum(y, rows, order, kept, w, False), y, weight, g=g))
 
 
-def test_permute_module_uses_the_kernel_module_it_names():
-    assert permute._row_kernels() is row_gather
+
+def test_the_all_gather_dispatch_refuses_the_row_kernels(monkeypatch):
+    """kernels.permute='pallas' with a plan whose dispatcher has no kernel path (all_gather, and moe_layer='fused'
+    which needs it): a one-line error at build time, not a silently ignored choice."""
+    from megascale_jax import step
+    from megascale_jax.config import default_config
+
+    resolve = step.resolve_kernels
+    monkeypatch.setattr(step, "resolve_kernels", lambda cfg, plan: dataclasses.replace(resolve(cfg, plan),
+                                                                                       permute="pallas"))
+    cfg = default_config("tiny_cpu", num_devices=8, **{"plan_recipe": "megascale", "parallel.intra": 4,
+                                                      "parallel.ep_dispatch": "all_gather"})
+    with pytest.raises(ValueError, match="kernels.permute='pallas' covers the local and all_to_all dispatches"):
+        step.build(cfg)
