@@ -144,10 +144,9 @@ def test_resolution_by_backend_and_plan():
         resolve_permute("pallas", backend="gpu", partitioned_by_xla=True)
 
 
-@pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
-def test_the_models_loss_and_gradients_with_the_row_kernels(interpreted, capacity_factor):
-    """The tiny model in bf16 (local dispatch, dropless and with a capacity that drops): the layout's row moves as
-    kernels against XLA's gathers."""
+def test_the_models_loss_and_gradients_with_the_row_kernels(interpreted, capacity_factor=0.5):
+    """The tiny model in bf16 (local dispatch with a capacity that drops some assignments, so both the kept and the
+    dropped rows' paths run): the layout's row moves as kernels against XLA's gathers."""
     from flax import nnx
 
     from megascale_jax import step
@@ -166,8 +165,7 @@ def test_the_models_loss_and_gradients_with_the_row_kernels(interpreted, capacit
         results.append(jax.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(batch, layout)[0])(params))
     (v, grads), (v_want, grads_want) = results
     assert float(v) == pytest.approx(float(v_want), rel=1e-5)
-    if capacity_factor:   # the case drops tokens: the combine's masking is exercised
-        assert int(nnx.merge(graphdef, params).loss(batch, layout)[1]["dropped_tokens"]) > 0
+    assert int(nnx.merge(graphdef, params).loss(batch, layout)[1]["dropped_tokens"]) > 0   # the masking ran
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_want)):
         np.testing.assert_allclose(a, b, atol=2e-2 * float(np.abs(b).max()), err_msg=jax.tree_util.keystr(path))
 
