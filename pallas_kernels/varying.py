@@ -11,6 +11,8 @@ imports `varying_axes` from here rather than the other way round.
     cotangent its primal's type; this sums over the axes the primal is replicated on.
   * `output_struct(shape, dtype, *inputs)`: a `pl.pallas_call` (Triton backend) output's type inside a
     checked shard_map must say how it varies: along every axis its inputs vary along.
+  * `per_device_refusal(backend, partitioned_by_xla)`: where a per-device GPU kernel cannot run (the one rule the
+    kernel choices' resolvers share).
 """
 from __future__ import annotations
 
@@ -56,3 +58,12 @@ def output_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
             raise NotImplementedError(f"output_struct: this jax has no ManualAxisType (.mat); inputs vary over {axes}")
         return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat.update(varying=axes))
+
+
+def per_device_refusal(*, backend: str, partitioned_by_xla: bool) -> str | None:
+    """Why a per-device Pallas GPU kernel cannot run in this build ('backend ...' or 'the XLA plan on several
+    devices', for an error message), or None. Under the XLA plan on several devices the compiler partitions the
+    step, and a custom kernel's operands would be gathered whole onto each device."""
+    if backend != "gpu":
+        return f"backend {backend!r}"
+    return "the XLA plan on several devices" if partitioned_by_xla else None

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from pallas_kernels.varying import per_device_refusal
+
 
 def _truncated_normal_std(bound: float) -> float:
     """Std of a standard normal truncated to [-bound, bound]: sqrt(1 - 2 b phi(b) / (Phi(b) - Phi(-b))),
@@ -134,11 +136,10 @@ def resolve_cross_entropy(choice: str, *, backend: str, partitioned_by_xla: bool
     (benchmarks/results/cross_entropy_fused_head_1xh100.json).
     Where the XLA compiler partitions the step over several devices (the XLA plan without a pipeline) a custom
     kernel would be gathered whole: 'pallas' there, or off the GPU, is an error."""
+    where = per_device_refusal(backend=backend, partitioned_by_xla=partitioned_by_xla)
     if choice == CrossEntropyImpl.AUTO:
-        return (CrossEntropyImpl.PALLAS_FUSED if backend == "gpu" and not partitioned_by_xla
-                else CrossEntropyImpl.XLA).value
-    if choice in (CrossEntropyImpl.PALLAS, CrossEntropyImpl.PALLAS_FUSED) and (backend != "gpu" or partitioned_by_xla):
-        where = f"backend {backend!r}" if backend != "gpu" else "the XLA plan on several devices"
+        return (CrossEntropyImpl.XLA if where else CrossEntropyImpl.PALLAS_FUSED).value
+    if choice in (CrossEntropyImpl.PALLAS, CrossEntropyImpl.PALLAS_FUSED) and where:
         raise ValueError(f"config.kernels.cross_entropy={choice!r} is a per-device GPU kernel and this run has {where}; "
                          f"use 'xla' or 'auto'")
     return CrossEntropyImpl(choice).value

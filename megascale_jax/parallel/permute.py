@@ -24,7 +24,7 @@ from enum import StrEnum
 
 import jax
 import jax.numpy as jnp
-from pallas_kernels.varying import match_varying
+from pallas_kernels.varying import match_varying, per_device_refusal
 
 
 class PermuteImpl(StrEnum):
@@ -40,8 +40,8 @@ def resolve_permute(choice: str, *, backend: str, partitioned_by_xla: bool) -> s
     an error."""
     if choice == PermuteImpl.AUTO:
         return PermuteImpl.XLA.value
-    if choice == PermuteImpl.PALLAS and (backend != "gpu" or partitioned_by_xla):
-        where = f"backend {backend!r}" if backend != "gpu" else "the XLA plan on several devices"
+    where = per_device_refusal(backend=backend, partitioned_by_xla=partitioned_by_xla)
+    if choice == PermuteImpl.PALLAS and where:
         raise ValueError(f"config.kernels.permute='pallas' is a per-device GPU kernel and this run has {where}; "
                          f"use 'xla' or 'auto'")
     return PermuteImpl(choice).value
@@ -110,6 +110,11 @@ def gather_weighted_sum(y_RD, rows_A, assignment_R, kept_A, weight_TK, pallas: b
     return _gather_weighted_sum(y_RD, rows_A, kept_A, weight_TK, pallas)
 
 
+def _rows_or_identity(rows_A, kept_A):
+    """y's row of each assignment; None (y already in assignment order): 0, 1, ..."""
+    return jnp.arange(kept_A.shape[0], dtype=jnp.int32) if rows_A is None else rows_A
+
+
 def _gathered_kept(y_RD, rows_A, kept_A, top_k):
     """y's row of each assignment (rows_A None: y is in assignment order), 0 where dropped, float32 [T, K, D]."""
     y_AD = jnp.where(kept_A[:, None], y_RD if rows_A is None else y_RD[rows_A], 0).astype(jnp.float32)
@@ -118,8 +123,7 @@ def _gathered_kept(y_RD, rows_A, kept_A, top_k):
 
 def _gather_weighted_sum(y_RD, rows_A, kept_A, weight_TK, pallas=False):
     if pallas:
-        rows = jnp.arange(kept_A.shape[0], dtype=jnp.int32) if rows_A is None else rows_A
-        idx_TK = jnp.where(kept_A, rows, -1).reshape(weight_TK.shape)
+        idx_TK = jnp.where(kept_A, _rows_or_identity(rows_A, kept_A), -1).reshape(weight_TK.shape)
         return _row_kernels().gather_rows_sum(y_RD, idx_TK, weight_TK.astype(jnp.float32), jnp.float32)
     y_TKD = _gathered_kept(y_RD, rows_A, kept_A, weight_TK.shape[1])
     return jnp.einsum("tkd,tk->td", y_TKD, weight_TK.astype(jnp.float32))
@@ -135,9 +139,9 @@ def _gws_bwd(pallas, residuals, g_TD):
     top_k = weight_TK.shape[1]
     g_TD = g_TD.astype(jnp.float32)
     if pallas:   # one pass per token: its K rows' dots with g (the weights' gradient) and their cotangents
-        rows = jnp.arange(kept_A.shape[0], dtype=jnp.int32) if rows_A is None else rows_A
         w_TK = jnp.where(kept_A, weight_TK.reshape(-1).astype(jnp.float32), 0).reshape(weight_TK.shape)
-        d_y, d_weight = _row_kernels().combine_backward(y_RD, rows.reshape(weight_TK.shape), w_TK, g_TD)
+        d_y, d_weight = _row_kernels().combine_backward(y_RD, _rows_or_identity(rows_A, kept_A).reshape(w_TK.shape),
+                                                        w_TK, g_TD)
         d_weight = jnp.where(kept_A.reshape(weight_TK.shape), d_weight, 0)   # a dropped row's dot is junk
         return (match_varying(d_y, y_RD, g_TD, weight_TK), None, None, None,
                 match_varying(d_weight.astype(weight_TK.dtype), weight_TK, g_TD, y_RD))

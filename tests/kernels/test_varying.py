@@ -40,3 +40,11 @@ def test_match_varying_sums_over_axes_the_primal_is_replicated_on():
     got = jax.shard_map(local, mesh=_mesh(), in_specs=(P(("e", "d")), P("d")), out_specs=P("d"))(
         x, jnp.zeros(4))
     np.testing.assert_array_equal(got, 10.0 * (x[:4] + x[4:]))   # device (e, d) holds x[4e + d]
+
+
+def test_per_device_refusal_names_where_a_per_device_kernel_cannot_run():
+    from pallas_kernels.varying import per_device_refusal
+
+    assert per_device_refusal(backend="gpu", partitioned_by_xla=False) is None
+    assert per_device_refusal(backend="cpu", partitioned_by_xla=False) == "backend 'cpu'"
+    assert per_device_refusal(backend="gpu", partitioned_by_xla=True) == "the XLA plan on several devices"
