@@ -92,6 +92,10 @@ def get_config() -> ConfigDict:
     # auto | xla | pallas (the dispatch's and combine's row gathers, forward and backward, as Pallas kernels:
     # pallas_kernels/row_gather.py; GPU per device; not yet run on a GPU, so auto is xla)
     c.kernels.permute = "auto"
+    # auto | xla | pallas (AdamW of the unrolled layer stacks' GEMM weights from their per-layer gradients, one
+    # kernel pass that also writes the compute copies: no concatenation of the stacked gradients; GPU per device;
+    # not yet run on a GPU, so auto is xla)
+    c.kernels.adamw = "auto"
     # auto | separate | separate_pallas_bwd (the activation's backward in one Pallas pass) | fused (first expert
     # GEMMs + SwiGLU in one kernel; not faster yet). auto: separate_pallas_bwd on GPU per device, for the experts only
     # where their GEMM outputs are not masked (grouped_gemm_tail mask); else separate (model/moe/experts.py SwigluImpl)

@@ -89,6 +89,7 @@ class KernelConfig:
     grouped_gemm_tail: str
     cross_entropy: str
     permute: str
+    adamw: str
 
 
 @dataclasses.dataclass(frozen=True)

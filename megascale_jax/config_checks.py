@@ -19,6 +19,7 @@ from megascale_jax.model.transformer import Remat
 from megascale_jax.optim import BF16_MIN_MOMENT_STEP, NonFinite
 from megascale_jax.parallel.grad_comm import GradComm
 from megascale_jax.parallel.permute import PermuteImpl
+from megascale_jax.updaters import AdamWImpl
 from megascale_jax.parallel.pipeline_schedules import Schedule, validate_schedule_args
 from megascale_jax.parallel.expert_runs import DispatchExchange
 from megascale_jax.parallel.ring_attention import AttentionExchange
@@ -50,6 +51,7 @@ CHOICES = {
     "kernels.grouped_gemm": _values(GroupedGemmImpl), "kernels.attention": _values(AttentionImpl),
     "kernels.swiglu": _values(SwigluImpl), "kernels.grouped_gemm_tail": _values(GroupedGemmTail),
     "kernels.cross_entropy": _values(CrossEntropyImpl), "kernels.permute": _values(PermuteImpl),
+    "kernels.adamw": _values(AdamWImpl),
     "parallel.attention_exchange": _values(AttentionExchange),
     "parallel.dispatch_exchange": _values(DispatchExchange),
     "model.attention_kind": _values(AttentionKind), "model.moe.router_kind": _values(RouterKind),

@@ -22,9 +22,15 @@ exchange, ZeRO-1 reduce-scatter). loss and metrics are the global values on ever
 
 Microbatch m holds the (local) batch rows m, m + M, m + 2M, ...: with the batch sharded over 'data' in
 contiguous blocks, that is the same split of the global batch on any number of data ranks.
+
+Layer pieces (`in_layer_pieces`, kernels.adamw='pallas'): a leaf of a fully unrolled layer stack may be given as
+`LayerPieces`, one array per layer, which the loss stacks again (`model_loss`). Its gradient then arrives as
+pieces too: XLA folds the unrolled scan's stacking of the layers' cotangents into the slices it is cut back into,
+so the concatenation of every stacked gradient (a copy of each, which the optimizer then reads) is never built.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -42,9 +48,43 @@ GradientSource = Callable  # (params, batch) -> (loss, metrics, grads)
 SUMMED_METRICS = ("tokens_per_expert", "dropped_tokens")   # counts add over microbatches; the rest average
 
 
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class LayerPieces:
+    """A stacked [L, ...] leaf as its L per-layer arrays (a pytree node: its pieces are the leaves)."""
+    pieces: tuple
+
+    def tree_flatten(self):
+        return self.pieces, None
+
+    @classmethod
+    def tree_unflatten(cls, _, pieces):
+        return cls(tuple(pieces))
+
+
+def is_layer_pieces(x) -> bool:
+    return isinstance(x, LayerPieces)
+
+
+def in_layer_pieces(tree, stacks):
+    """`tree` (a parameter state or a part of it) with the leaves under the top-level keys `stacks` (layer stacks,
+    leading axis = layer) as LayerPieces; None or () leaves it as it is."""
+    def split(path, x):
+        if stacks and isinstance(path[0], jax.tree_util.DictKey) and path[0].key in stacks:
+            return LayerPieces(tuple(x[i] for i in range(x.shape[0])))
+        return x
+    return jax.tree_util.tree_map_with_path(split, tree)
+
+
+def stacked(tree):
+    """`tree` with every LayerPieces stacked back into one array."""
+    return jax.tree.map(lambda x: jnp.stack(x.pieces) if is_layer_pieces(x) else x, tree, is_leaf=is_layer_pieces)
+
+
 def model_loss(graphdef, layout):
-    """loss_fn(params, batch) -> (loss, metrics): the model's plain forward (model/transformer.py)."""
-    return lambda params, batch: nnx.merge(graphdef, params).loss(batch, layout)
+    """loss_fn(params, batch) -> (loss, metrics): the model's plain forward (model/transformer.py); leaves given
+    as LayerPieces are stacked inside, so their gradient comes out in pieces."""
+    return lambda params, batch: nnx.merge(graphdef, stacked(params)).loss(batch, layout)
 
 
 def autodiff(loss_fn, *, per_device: bool) -> GradientSource:

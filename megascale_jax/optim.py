@@ -29,6 +29,8 @@ class NonFinite(StrEnum):
 # the bound config_checks enforces, with a margin.
 BF16_MIN_MOMENT_STEP = 2.0 ** -7
 
+ADAM_EPS = 1e-8   # optax.scale_by_adam's default, named for the fused update (megascale_jax/updaters.py)
+
 
 def scale_by_adam(b1: float, b2: float, moments_dtype: str) -> optax.GradientTransformation:
     """optax.scale_by_adam with both moments stored in `moments_dtype` ('float32' | 'bfloat16', checked by
@@ -37,7 +39,7 @@ def scale_by_adam(b1: float, b2: float, moments_dtype: str) -> optax.GradientTra
     leaves the second moment in float32, and a moment held in bfloat16 during optax's update makes jax round the
     decay rates themselves to bfloat16 (0.9 -> 0.8984), a bias every step."""
     dtype = jnp.dtype(moments_dtype)
-    adam = optax.scale_by_adam(b1=b1, b2=b2)
+    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=ADAM_EPS)
     if dtype == jnp.float32:
         return adam
 
@@ -61,12 +63,17 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
         decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.learning_rate * t.min_lr_ratio)
 
 
+def is_decayed(param) -> bool:
+    """Whether weight decay applies to a parameter: matrices (ndim >= 2), not norms' scales or biases."""
+    return param.ndim >= 2
+
+
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
     """AdamW on a parameter pytree (elementwise, so it runs on each device's shards as well): optax.adamw's
     chain (the same state structure: a checkpoint written by optax.adamw restores, float32 parameters and
     moments alike) with the moments stored as configured."""
     t = train_cfg
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    decay_mask = lambda params: jax.tree.map(is_decayed, params)  # noqa: E731
     return optax.chain(scale_by_adam(t.b1, t.b2, t.adam_moments_dtype),
                        optax.add_decayed_weights(t.weight_decay, decay_mask),
                        optax.scale_by_learning_rate(learning_rate_schedule(t)))
@@ -110,3 +117,23 @@ def flat_decay_mask(segments, length: int):
     decay = np.array([ndim >= 2 for ndim, _ in segments] + [False], np.uint8)   # the last entry: the padding
     segment = jnp.searchsorted(jnp.asarray(ends, jnp.int32), jnp.arange(length, dtype=jnp.int32), side="right")
     return jnp.asarray(decay)[segment]
+
+
+# ------------------------------------------------------------ make_optimizer's chain, for an update written out
+# The fused update (megascale_jax/updaters.py, kernels.adamw='pallas') runs the chain's arithmetic itself and keeps
+# its state: (scale_by_adam's (count, mu, nu), the masked weight decay's (empty), scale_by_schedule's (count)).
+def adam_step_scalars(opt_state, train_cfg):
+    """(learning rate, 1 - b1^t, 1 - b2^t) of the update `make_optimizer`'s chain makes from `opt_state`, as optax
+    computes them (t = Adam's count after this step)."""
+    adam, _, schedule_state = opt_state
+    count = optax.safe_increment(adam.count)
+    t = train_cfg
+    return (learning_rate_schedule(t)(schedule_state.count).astype(jnp.float32),
+            (1 - t.b1 ** count).astype(jnp.float32), (1 - t.b2 ** count).astype(jnp.float32))
+
+
+def advanced_state(opt_state, mu, nu):
+    """`make_optimizer`'s state after one update with the new moments `mu`, `nu`."""
+    adam, decay, schedule_state = opt_state
+    return (adam._replace(count=optax.safe_increment(adam.count), mu=mu, nu=nu), decay,
+            schedule_state._replace(count=optax.safe_increment(schedule_state.count)))

@@ -20,7 +20,6 @@ model's logical axes; `create_state` initialises the state directly with those s
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +37,9 @@ from megascale_jax.model.layers import resolve_cross_entropy
 from megascale_jax.model.moe.experts import (resolve_dense_swiglu, resolve_grouped_gemm, resolve_grouped_gemm_tail,
                                              resolve_swiglu)
 from megascale_jax.model.transformer import Kernels, Transformer, gemm_weight_copies, gemm_weights_of, \
-    with_gemm_weight_copies
-from megascale_jax.optim import NonFinite, clip_by_norm, flat_decay_mask, learning_rate_schedule, \
-    make_flat_optimizer, make_optimizer
-from megascale_jax.parallel import grad_comm
+    unrolled_stacks, with_gemm_weight_copies
+from megascale_jax.optim import NonFinite, flat_decay_mask, learning_rate_schedule, make_flat_optimizer, \
+    make_optimizer
 from megascale_jax.parallel.collectives import varying_axes
 from megascale_jax.parallel.expert_runs import DispatchExchange
 from megascale_jax.parallel.layouts import Layout, make_layout
@@ -49,6 +47,7 @@ from megascale_jax.parallel.permute import PermuteImpl, resolve_permute
 from megascale_jax.parallel.plan import DATA, INTRA, PIPE, FFNPlan, MoELayer, ParallelPlan, PlanKind
 from megascale_jax.parallel.ring_attention import AttentionExchange
 from megascale_jax.parallel.zero import OptimizerSharding, Zero1
+from megascale_jax.updaters import AdamWImpl, LayerKernelAdamW, Replicated, ZeroOne, resolve_adamw
 
 DTYPES = {DType.FLOAT32: jnp.float32, DType.BFLOAT16: jnp.bfloat16}
 
@@ -85,11 +84,21 @@ def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
         cross_entropy = resolve_cross_entropy(cfg.kernels.cross_entropy, backend=backend,
                                               partitioned_by_xla=partitioned_by_xla)
         permute = resolve_permute(cfg.kernels.permute, backend=backend, partitioned_by_xla=partitioned_by_xla)
+        adamw = resolve_adamw(cfg.kernels.adamw, backend=backend, partitioned_by_xla=partitioned_by_xla,
+                              zero1=cfg.parallel.optimizer_sharding == OptimizerSharding.ZERO1,
+                              copies=_keeps_copies(cfg, plan),
+                              unrolled_stacks=unrolled_stacks(cfg.model, cfg.train.scan_unroll))
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return Kernels(attention=resolve_attention_impl(cfg.kernels.attention, backend=backend, compute_dtype=compute),
                    grouped_gemm=grouped_gemm, grouped_gemm_tail=tail, swiglu=swiglu, dense_swiglu=dense_swiglu,
-                   cross_entropy=cross_entropy, permute=permute)
+                   cross_entropy=cross_entropy, permute=permute, adamw=adamw)
+
+
+def _keeps_copies(cfg: Config, plan: ParallelPlan) -> bool:
+    """Whether the state keeps the GEMM weights' compute-dtype copies (`COPIES`): compute narrower than the
+    parameters, no pipeline (it casts per stage itself)."""
+    return plan.pipe == 1 and DTYPES[cfg.train.compute_dtype] != DTYPES[cfg.train.param_dtype]
 
 
 def check_attention_exchange(cfg: Config) -> None:
@@ -113,82 +122,6 @@ def new_model(cfg: Config, kernels: Kernels = Kernels()) -> Transformer:
 def _specs(shardings):
     """PartitionSpecs of a pytree of NamedShardings (shard_map's in_specs / out_specs)."""
     return jax.tree.map(lambda s: s.spec, shardings)
-
-
-# --------------------------------------------------------------------------------------------- updaters
-@dataclasses.dataclass(frozen=True)
-class Replicated:
-    """Optimizer state sharded like the parameters (replicated over 'data'). Per device it first reduces
-    the gradient over 'data' as `mode` says; the global norm sums every leaf over the axes it is sharded on."""
-    optimizer: optax.GradientTransformation     # elementwise (AdamW): runs on each device's shards
-    mode: str
-    max_grad_norm: float | None
-    per_device: bool
-    param_specs: Any
-
-    def init(self, params):
-        return self.optimizer.init(params)
-
-    def state_specs(self, opt_state, param_specs):
-        return optax.tree_map_params(self.optimizer, lambda _, s: s, opt_state, param_specs,
-                                     transform_non_params=lambda _: P())
-
-    def step(self, params, grads, opt_state):
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        if self.per_device:
-            grads = _reduce_over_data(grads, self.mode)
-        norm = _global_norm(grads, self.param_specs if self.per_device else None)
-        grads = clip_by_norm(grads, norm, self.max_grad_norm)
-        updates, opt_state = self.optimizer.update(jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params),
-                                                   opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"grad_norm": norm}
-
-
-def _reduce_over_data(grads, mode: str):
-    """Mean over 'data'. fp32: the compiler's all-reduce. bf16 / fp8: grad_comm's all-to-all + local fp32
-    sum + all-gather, one flat vector per group of leaves of one shard_map type (each gathered result must
-    be typed like its leaves: replicated over 'data', varying where the leaf is sharded)."""
-    if mode == grad_comm.GradComm.FP32:
-        return jax.tree.map(lambda g: lax.pmean(g, DATA), grads)
-    leaves, treedef = jax.tree.flatten(grads)
-    groups: dict[frozenset, list[int]] = {}
-    for i, g in enumerate(leaves):
-        groups.setdefault(varying_axes(g) - {DATA}, []).append(i)
-    out = list(leaves)
-    for indices in groups.values():
-        reduced = grad_comm.all_reduce_gradients([leaves[i] for i in indices], axis=DATA, mode=mode)
-        for i, g in zip(indices, reduced):
-            out[i] = g
-    return treedef.unflatten(out)
-
-
-def _global_norm(grads, param_specs):
-    """sqrt(sum of squares) over the whole model: per device, each leaf's local sum is added over the mesh
-    axes its spec shards it on (experts over 'intra', layers over 'pipe'), so every element counts once."""
-    if param_specs is None:
-        return optax.tree.norm(grads)
-    total = jnp.zeros((), jnp.float32)
-    for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))):
-        used = tuple(a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry))
-        total = total + (lax.psum(jnp.sum(jnp.square(g)), used) if used else jnp.sum(jnp.square(g)))
-    return jnp.sqrt(total)
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroOne:
-    """ZeRO-1 (parallel/zero.py) as an updater; it reduces the local gradients itself."""
-    zero: Zero1
-    mesh: jax.sharding.Mesh
-
-    def init(self, params, param_specs):
-        return self.zero.init(params, self.mesh, param_specs)
-
-    def state_specs(self, opt_state, param_specs):
-        return self.zero.state_specs(opt_state)
-
-    def step(self, params, grads, opt_state):
-        params, opt_state, stats = self.zero.step(params, grads, opt_state)
-        return params, opt_state, {"grad_norm": stats["grad_norm"]}
 
 
 # --------------------------------------------------------------------------------------------- the trainer
@@ -245,8 +178,10 @@ def build(cfg: Config, devices=None) -> Trainer:
         abstract_opt = jax.eval_shape(lambda p: updater.init(p, param_specs), abstract_params)
         opt_shardings = zero.state_shardings(mesh, abstract_opt)
     else:
+        layer_kernel = (LayerKernelAdamW(cfg.train, unrolled_stacks(cfg.model, cfg.train.scan_unroll))
+                        if kernels.adamw == AdamWImpl.PALLAS else None)
         updater = Replicated(make_optimizer(cfg.train), cfg.parallel.grad_comm, cfg.train.grad_clip or None,
-                             plan.per_device, param_specs)
+                             plan.per_device, param_specs, layer_kernel)
         abstract_opt = jax.eval_shape(updater.init, abstract_params)
         opt_shardings = optax.tree_map_params(updater.optimizer, lambda _, s: s, abstract_opt, param_shardings,
                                               transform_non_params=lambda _: replicated)
@@ -254,7 +189,7 @@ def build(cfg: Config, devices=None) -> Trainer:
     abstract = {"params": abstract_params, "opt_state": abstract_opt, "step": jax.ShapeDtypeStruct((), jnp.int32),
                 "nonfinite": jax.ShapeDtypeStruct((2,), jnp.int32)}
     compute = DTYPES[cfg.train.compute_dtype]
-    if plan.pipe == 1 and compute != DTYPES[cfg.train.param_dtype]:   # the pipeline casts per stage itself
+    if _keeps_copies(cfg, plan):
         shardings[COPIES] = gemm_weights_of(param_shardings)
         abstract[COPIES] = jax.eval_shape(lambda p: gemm_weight_copies(p, compute), abstract_params)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
@@ -347,14 +282,19 @@ def make_train_step(trainer: Trainer):
     skip = trainer.cfg.train.nonfinite == NonFinite.SKIP
 
     copies_dtype = trainer.copies_dtype
+    layer_kernel = getattr(updater, "layer_kernel", None)
 
-    def update(params, grads, opt_state):
+    def update(params, grads, opt_state, copies):
+        if layer_kernel is not None:   # the kernel writes the stacks' copies in its own pass
+            return updater.step_with_copies(params, grads, opt_state, copies)
         params, opt_state, stats = updater.step(params, grads, opt_state)
         # The new copies from the new parameters in the same program: XLA writes them in AdamW's pass (COPIES).
         return params, opt_state, stats, (gemm_weight_copies(params, copies_dtype) if copies_dtype else {})
 
     def body(params, copies, opt_state, step, nonfinite, batch):
-        loss, metrics, grads = source(with_gemm_weight_copies(params, copies) if copies_dtype else params, batch)
+        # kernels.adamw='pallas': the stacks' GEMM weights differentiated per layer, their gradients in pieces
+        pieces = gradients.in_layer_pieces(copies, layer_kernel.stacks) if layer_kernel is not None else copies
+        loss, metrics, grads = source(with_gemm_weight_copies(params, pieces) if copies_dtype else params, batch)
         if isinstance(updater, Replicated):
             # An unrolled layer stack's gradients arrive as a concatenation of the layers' pieces, which XLA
             # fused into each consumer (norm, both Adam moments, the update) and then could not merge those
@@ -366,10 +306,10 @@ def make_train_step(trainer: Trainer):
         finite = _all_finite(loss, grads, trainer.plan.per_device)
         if skip:   # a cond, not a select: the skipped update costs nothing and reads no state twice
             params, opt_state, stats, copies = lax.cond(
-                finite, lambda: update(params, grads, opt_state),
+                finite, lambda: update(params, grads, opt_state, copies),
                 lambda: (params, opt_state, {"grad_norm": jnp.full((), jnp.nan, jnp.float32)}, copies))
         else:
-            params, opt_state, stats, copies = update(params, grads, opt_state)
+            params, opt_state, stats, copies = update(params, grads, opt_state, copies)
         bad = (~finite).astype(jnp.int32)
         nonfinite = jnp.stack([nonfinite[0] + bad, jnp.where((nonfinite[1] < 0) & (bad > 0), step, nonfinite[1])])
         metrics.update(loss=loss, grad_norm=stats["grad_norm"], lr=schedule(step), nonfinite_steps=nonfinite[0])

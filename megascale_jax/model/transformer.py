@@ -121,6 +121,7 @@ class Kernels:
     dense_swiglu: str = "separate"   # the dense layers' and shared experts' (resolve_dense_swiglu)
     cross_entropy: str = "xla"    # model/layers.py CrossEntropyImpl
     permute: str = "xla"          # parallel/permute.py PermuteImpl (read by the layout's dispatcher, not the model)
+    adamw: str = "xla"            # updaters.py AdamWImpl (read by the train step's updater, not the model)
 
 
 class Block(nnx.Module):
@@ -260,6 +261,13 @@ def _stacked_blocks(cfg, count: int, moe: bool, param_dtype, kernels: Kernels, r
         return Block(cfg, moe, param_dtype, kernels, rngs)
 
     return create(rngs)
+
+
+def unrolled_stacks(model_cfg, scan_unroll: int) -> tuple:
+    """The parameter keys of the layer stacks `Transformer._scan` runs as straight-line code (no loop: every layer
+    unrolled), whose gradients autodiff builds from one piece per layer."""
+    sizes = {"dense_blocks": model_cfg.num_dense_layers, "moe_blocks": model_cfg.num_moe_layers}
+    return tuple(name for name, count in sizes.items() if 0 < count <= scan_unroll)
 
 
 def scan_body(stack: nnx.Module, layout, remat: str, unrolled: bool = False):
