@@ -161,7 +161,7 @@ def _banner(cfg, trainer, size, peak, source) -> None:
         f"{_fused_exchanges(cfg)}, remat {cfg.train.remat} | kernels: attention {trainer.kernels.attention}, "
         f"grouped GEMM {trainer.kernels.grouped_gemm} (tail {trainer.kernels.grouped_gemm_tail}), "
         f"swiglu {trainer.kernels.swiglu} (dense {trainer.kernels.dense_swiglu}), loss {trainer.kernels.cross_entropy}, "
-        f"row moves {trainer.kernels.permute}" + _steps_banner(cfg),
+        f"row moves {trainer.kernels.permute}, adamw {trainer.kernels.adamw}" + _steps_banner(cfg),
         f"model: {size.summary()}",
         f"data: {getattr(source, 'description', type(source).__name__)} | batch {cfg.train.global_batch} x "
         f"{cfg.train.seq_len} tokens",
