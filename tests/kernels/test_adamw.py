@@ -220,3 +220,29 @@ def test_resolution():
                         ("the XLA plan on several devices", dict(partitioned_by_xla=True))]:
         with pytest.raises(ValueError, match=why):
             resolve_adamw("pallas", **{**ok, **change})
+
+
+def test_no_concatenation_of_the_stacked_gradients(xla_twin, monkeypatch):
+    """What the pieces are for: in the compiled step (CPU, the kernel's XLA twin in its place) the optax update
+    concatenates each stacked GEMM weight's per-layer gradients into a bf16 [2, ...] array; with kernels.adamw=
+    'pallas' no such concatenation is left."""
+    import dataclasses
+
+    from megascale_jax import step
+    from megascale_jax.config import default_config
+
+    cfg = default_config("tiny_cpu", num_devices=1, **{"train.compute_dtype": "bfloat16", "train.scan_unroll": 2})
+    resolve, concatenated = step.resolve_kernels, {}
+    for impl in ("xla", "pallas"):
+        monkeypatch.setattr(step, "resolve_kernels",
+                            lambda c, p, impl=impl: dataclasses.replace(resolve(c, p), adamw=impl))
+        trainer = step.build(cfg, devices=jax.devices()[:1])
+        stacked = {f"bf16[{','.join(map(str, leaf.shape))}]"
+                   for leaf in jax.tree.leaves(trainer.abstract_state[step.COPIES]["moe_blocks"])}
+        tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len), jnp.int32)
+        text = step.make_train_step(trainer).lower(trainer.abstract_state, {"inputs": tokens, "targets": tokens}
+                                                   ).compile().as_text()
+        concatenated[impl] = {line.split("=")[1].split("{")[0].strip() for line in text.splitlines()
+                              if " concatenate(" in line} & stacked
+    assert len(concatenated["xla"]) >= 4, concatenated   # experts [2, 8, 128, 128], attention projections
+    assert not concatenated["pallas"], concatenated
