@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-ARGS = ["--config", "configs/tiny_cpu.py", "--config.train.steps=4", "--config.train.warmup_steps=1",
+ARGS = ["--config", "configs/tiny_cpu.py", "--config.train.warmup_steps=1",
         "--config.train.global_batch=8", "--config.train.seq_len=32", "--config.train.log_every=1",
         "--config.train.eval_every=0", "--config.output.tensorboard=False"]
 
@@ -21,10 +21,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(out, processes: int, extra=(), timeout=300):
+def _train(out, processes: int, extra=(), timeout=300, steps=4, cache=None):
+    """`cache`: a compilation cache directory for a 1-process run, so that a test's 1-process runs of the same
+    program (a straight run and its resumed twin) compile it once; a hit is the executable XLA built for the
+    identical HLO. The 2-process runs compile their own (their processes would write the same entries at once)."""
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes} --xla_backend_optimization_level=0"}
-    base = [sys.executable, "-m", "megascale_jax.train", *ARGS, f"--config.output.dir={out}", *extra]
+    if cache is not None and processes == 1:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.3")
+    base = [sys.executable, "-m", "megascale_jax.train", *ARGS, f"--config.train.steps={steps}",
+            f"--config.output.dir={out}", *extra]
     port = _free_port()
     cmds = [base] if processes == 1 else [
         base + [f"--coordinator=localhost:{port}", f"--num_processes={processes}", f"--process_id={i}"]
@@ -42,18 +48,24 @@ def _train(out, processes: int, extra=(), timeout=300):
 
 
 def test_two_processes_of_four_devices_equal_one_process_of_eight_with_zero1_bf16(tmp_path):
+    """3 steps: the third loss follows the second update, which reads the sharded moments the first one wrote
+    (a step of the 2-process run costs ~0.9 s on 2 CPU cores: its collectives go between the processes)."""
     extra = ("--config.parallel.plan=manual", "--config.parallel.optimizer_sharding=zero1",
              "--config.parallel.grad_comm=bf16")
-    single = _train(str(tmp_path / "one"), 1, extra)[0]
-    multi, stdout = _train(str(tmp_path / "two"), 2, extra)
+    single = _train(str(tmp_path / "one"), 1, extra, steps=3)[0]
+    multi, stdout = _train(str(tmp_path / "two"), 2, extra, steps=3)
+    assert len(single) == 3
     assert "2 process(es)" in stdout and "data=8" in stdout
     np.testing.assert_allclose(multi, single, rtol=1e-5)
 
 
 def test_two_processes_equal_one_and_their_checkpoint_resumes_in_one(tmp_path):
     """Plain data parallelism: 2 processes x 4 devices train like 1 x 8; the 2-process run's step-2 checkpoint,
-    resumed in 1 process, continues it exactly (the same 2-process run serves both checks)."""
-    single = _train(str(tmp_path / "one"), 1)[0]
+    resumed in 1 process, continues it exactly (the same 2-process run serves both checks). The resumed run
+    needs 2 steps after the checkpoint: step 3's loss reads the restored parameters, step 4's the restored
+    moments and schedule position too."""
+    cache = tmp_path / "compilation_cache"   # the resumed run's step is the straight 1-process run's program
+    single = _train(str(tmp_path / "one"), 1, cache=cache)[0]
     ckpt = ["--config.checkpoint.every=2", "--config.checkpoint.keep=2"]
     multi, stdout = _train(str(tmp_path / "two"), 2, ckpt + [f"--config.checkpoint.dir={tmp_path / 'ckpt'}"])
     assert "2 process(es)" in stdout and "data=8" in stdout
@@ -62,7 +74,8 @@ def test_two_processes_equal_one_and_their_checkpoint_resumes_in_one(tmp_path):
     # learning-rate schedule the resumed run follows.
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["2", "4"]
     shutil.copytree(tmp_path / "ckpt" / "2", tmp_path / "ckpt2" / "2")
-    resumed, stdout = _train(str(tmp_path / "b"), 1, ckpt + [f"--config.checkpoint.dir={tmp_path / 'ckpt2'}"])
+    resumed, stdout = _train(str(tmp_path / "b"), 1, ckpt + [f"--config.checkpoint.dir={tmp_path / 'ckpt2'}"],
+                             cache=cache)
     assert "resumed from" in stdout and "at step 2" in stdout
     np.testing.assert_allclose(multi[:2] + resumed, single, rtol=1e-5)
 
