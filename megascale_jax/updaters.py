@@ -106,13 +106,15 @@ class Replicated:
         GEMM weights as LayerPieces (gradients.in_layer_pieces); `copies` (the GEMM weights' compute-dtype copies)
         is updated in place for those, cast from the new parameters for the rest."""
         kernel = self.layer_kernel
-        reduce = self.per_device and lax.axis_size(DATA) > 1
+        several = self.per_device and lax.axis_size(DATA) > 1
         # The pieces stay in their dtype for the kernel, which widens them as it reads (a cast here would be a pass
-        # of its own); reduced over 'data' everything is widened first, as `step` does.
-        grads = jax.tree.map(lambda g: g if is_layer_pieces(g) and not reduce else
+        # of its own); reduced over several data ranks everything is widened first, as `step` does.
+        grads = jax.tree.map(lambda g: g if is_layer_pieces(g) and not several else
                              jax.tree.map(lambda x: x.astype(jnp.float32), g), grads, is_leaf=is_layer_pieces)
-        if reduce:
+        if several:
             grads = _reduce_over_data(grads, self.mode)
+        elif self.per_device:   # one data rank: the mean is the gradient itself, typed as replicated over 'data'
+            grads = jax.tree.map(lambda g: lax.pmean(g, DATA), grads)
         norm = _global_norm(grads, self.param_specs if self.per_device else None)
         lr, bias1, bias2 = adam_step_scalars(opt_state, kernel.train_cfg)
         clip = self.max_grad_norm is not None

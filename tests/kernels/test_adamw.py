@@ -185,6 +185,13 @@ def test_per_device_on_a_data_parallel_mesh(xla_twin, monkeypatch):
                                                             "train.grad_clip": 0.05})
 
 
+def test_per_device_on_one_data_rank_skipping_nonfinite_steps(xla_twin, monkeypatch):
+    """The manual plan on 2 devices (data 1 x intra 2), as one GPU runs it, with train.nonfinite='skip' (the update
+    inside a cond whose other branch returns the state as it was: both typed alike)."""
+    _steps_side_by_side(monkeypatch, steps=2, devices=2, **{"plan_recipe": "megascale", "parallel.intra": 2,
+                                                            "train.nonfinite": "skip"})
+
+
 def test_the_train_step_with_the_kernel_lowers_for_the_gpu(monkeypatch):
     """Inside the manual step's checked shard_map (intra 4, 2 microbatches) the kernel is typed and lowered for
     CUDA: one call per layer for each of the MoE stack's GEMM weights."""
