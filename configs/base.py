@@ -90,7 +90,7 @@ def get_config() -> ConfigDict:
     # one custom VJP: its forward kernel writes the logits' gradient over them). auto: pallas_fused on GPU per device
     c.kernels.cross_entropy = "auto"
     # auto | xla | pallas (the dispatch's and combine's row gathers, forward and backward, as Pallas kernels:
-    # pallas_kernels/row_gather.py; GPU per device; not yet run on a GPU, so auto is xla)
+    # pallas_kernels/row_gather.py; GPU per device; no faster than XLA on an H200, so auto is xla)
     c.kernels.permute = "auto"
     # auto | xla | pallas (AdamW of the unrolled layer stacks' GEMM weights from their per-layer gradients, one
     # kernel pass that also writes the compute copies: no concatenation of the stacked gradients; GPU per device;

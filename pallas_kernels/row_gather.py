@@ -11,8 +11,9 @@ Why: XLA's gathers of these rows ran at ~1.0-1.2 TB/s on an H100 (deepseekmoe_sm
 gather 0.68 ms and the combine's weights gradient 0.84 ms per layer, each moving ~0.9 GB), a third of the HBM
 speed, while each row here is 2-14 KB of contiguous bytes. parallel/permute.py's custom VJPs call these for
 `kernels.permute='pallas'`; their XLA bodies are the plain twins (tests/kernels/test_row_gather.py).
-Status: equal to the twins in the CPU interpreter and lowered for CUDA inside the manual step's checked shard_map;
-not yet compiled or timed on a GPU, so `kernels.permute='auto'` does not pick them.
+Status: equal to the twins in the CPU interpreter and on an H200, but not faster in the step: in deepseekmoe_small's
+H200 profile the row kernels took about what the XLA gathers and the fusions around them did (busy 178.2 vs 179.1 ms,
+benchmarks/results/train_step_row_kernels_1xh200.json), so `kernels.permute='auto'` does not pick them.
 """
 from __future__ import annotations
 
