@@ -14,7 +14,7 @@
     pipeline     the microbatches through parallel/pipeline.py's schedule (GPipe / 1F1B / interleaved), its
                  stages calling the model's own embed / scanned block / head_loss on their parts of the state.
 
-Convention (what megascale_jax/step.py's updaters expect). In the global view (XLA plan) grads are the
+Convention (what megascale_jax/updaters.py's updaters expect). In the global view (XLA plan) grads are the
 gradient. Per device (inside the step's shard_map) grads are this device's contribution such that the
 MEAN over 'data' is the gradient: already summed over 'intra' and 'pipe' wherever a parameter is
 replicated there, NOT reduced over 'data' (the updater does that its own way: all-reduce, compressed

@@ -5,7 +5,7 @@ Adam's moments are stored in `train.adam_moments_dtype` (float32, or bfloat16 as
 is computed in float32 either way; bfloat16 storage saves 4 of the 8 bytes a parameter the moments take and
 8 of the ~28 bytes a parameter the update pass moves (one pass at HBM speed: 10.2 + 1.5 ms of deepseekmoe_small's
 H200 step in float32).
-Clipping is not part of the optax chain: the step's updaters (megascale_jax/step.py, parallel/zero.py)
+Clipping is not part of the optax chain: the step's updaters (megascale_jax/updaters.py, parallel/zero.py)
 compute the global norm themselves, because per device each holds only shards of the gradient.
 """
 from __future__ import annotations

@@ -5,9 +5,11 @@
   gradient source  autodiff | accumulate(train.microbatches), differentiated w.r.t. the GEMM weights'
                        compute-dtype copies, which the state keeps (`compute_copies`)
                    | pipeline(parallel.pipeline_schedule)
-  updater          replicated(grad_comm): reduce the gradient over 'data' (fp32 all-reduce, or bf16 / fp8
-                       all-to-all + local fp32 sum + all-gather), clip by the global norm, AdamW on each
-                       device's own shards of the parameters and optimizer state;
+  updater          (megascale_jax/updaters.py) replicated(grad_comm): reduce the gradient over 'data' (fp32
+                       all-reduce, or bf16 / fp8 all-to-all + local fp32 sum + all-gather), clip by the global
+                       norm, AdamW on each device's own shards of the parameters and optimizer state (optax's, or
+                       with kernels.adamw='pallas' the unrolled stacks' GEMM weights per layer by a Pallas kernel
+                       from gradients that autodiff returns per layer: gradients.LayerPieces);
                    zero1(grad_comm): parallel/zero.py (compressed reduce-scatter, this rank's slice of the
                        optimizer state, all-gather of the updated parameters).
 Any source works with any updater. Under the manual plan and with a pipeline the whole step runs per
@@ -87,6 +89,7 @@ def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
         adamw = resolve_adamw(cfg.kernels.adamw, backend=backend, partitioned_by_xla=partitioned_by_xla,
                               zero1=cfg.parallel.optimizer_sharding == OptimizerSharding.ZERO1,
                               copies=_keeps_copies(cfg, plan),
+                              float32_params=DTYPES[cfg.train.param_dtype] == jnp.float32,
                               unrolled_stacks=unrolled_stacks(cfg.model, cfg.train.scan_unroll))
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -301,7 +304,8 @@ def make_train_step(trainer: Trainer):
             # into one pass. Materialized once here, AdamW is one multi-output pass per parameter: on the H200
             # the expert weights' optimizer work went from 33.2 to 26.5 ms of a mixtral_small step
             # (benchmarks/results/train_step_profile_mixtral_small_1xh200.json). A scanned stack's gradients
-            # are already one array (no concatenation to materialize).
+            # are already one array (no concatenation to materialize); pieces (kernels.adamw='pallas') are each
+            # materialized anyway, as the kernel's operands.
             grads = lax.optimization_barrier(grads)
         finite = _all_finite(loss, grads, trainer.plan.per_device)
         if skip:   # a cond, not a select: the skipped update costs nothing and reads no state twice

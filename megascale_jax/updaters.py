@@ -36,29 +36,39 @@ class AdamWImpl(StrEnum):
 
 
 def resolve_adamw(choice: str, *, backend: str, partitioned_by_xla: bool, zero1: bool, copies: bool,
-                  unrolled_stacks: tuple) -> str:
-    """`auto` -> 'xla' everywhere for now (the kernel has not yet run on a GPU). 'pallas' where it cannot run or
-    would have nothing to do is a one-line error."""
+                  float32_params: bool, unrolled_stacks: tuple) -> str:
+    """`auto` -> 'xla' everywhere for now: the kernel equals optax on an H200 but its step has not been timed yet.
+    'pallas' where it cannot run or would have nothing to do is a one-line error."""
     if choice == AdamWImpl.AUTO:
         return AdamWImpl.XLA.value
     if choice == AdamWImpl.PALLAS:
-        where = per_device_refusal(backend=backend, partitioned_by_xla=partitioned_by_xla)
-        why = (where or ("parallel.optimizer_sharding='zero1' (it updates flat slices of the state)" if zero1 else None)
-               or (None if copies else "no compute-dtype copies of the GEMM weights (train.compute_dtype equal to "
-                                       "train.param_dtype, or a pipeline)")
-               or (None if unrolled_stacks else "no fully unrolled layer stack (train.scan_unroll below the layer "
-                                                "count: a scanned stack's gradient is one array already)"))
+        refusals = [per_device_refusal(backend=backend, partitioned_by_xla=partitioned_by_xla),
+                    zero1 and "parallel.optimizer_sharding='zero1' (it updates flat slices of the state)",
+                    not float32_params and "train.param_dtype other than float32 (the kernel updates float32 masters)",
+                    not copies and ("no compute-dtype copies of the GEMM weights (train.compute_dtype equal to "
+                                    "train.param_dtype, or a pipeline)"),
+                    not unrolled_stacks and ("no fully unrolled layer stack (train.scan_unroll below the layer count: "
+                                             "a scanned stack's gradient is one array already)")]
+        why = next((r for r in refusals if r), None)
         if why:
             raise ValueError(f"config.kernels.adamw='pallas' updates the unrolled layer stacks' GEMM weights per layer "
                              f"on a GPU and this run has {why}; use 'xla' or 'auto'")
     return AdamWImpl(choice).value
 
 
+def _adamw_kernels():
+    """pallas_kernels.adamw, looked up at each use so that tests can put its interpreted form or its XLA twin in
+    the kernel's place (the updater is built inside the trainer, out of a test's reach)."""
+    from pallas_kernels import adamw
+    return adamw
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerKernelAdamW:
-    """make_optimizer's AdamW (optim.py) written out: the GEMM weights whose gradients arrive as LayerPieces by the
-    Pallas kernel, one call per layer updating that row of the stacked parameter, moments and copy in place; every
-    other leaf by the same arithmetic in XLA (`adamw_math`)."""
+    """make_optimizer's AdamW (optim.py) written out, for kernels.adamw='pallas': the GEMM weights whose gradients
+    arrive as LayerPieces by the Pallas kernel, one call per layer updating that row of the stacked parameter, both
+    moments and the compute copy in place; every other leaf by the same arithmetic in XLA (`adamw_math`). The state
+    keeps optax's structure (optim.advanced_state), so checkpoints are those of the optax update."""
     train_cfg: Any
     stacks: tuple       # the top-level parameter keys of the unrolled layer stacks
 
@@ -67,10 +77,37 @@ class LayerKernelAdamW:
         t = self.train_cfg
         return dict(b1=t.b1, b2=t.b2, eps=ADAM_EPS, weight_decay=t.weight_decay if is_decayed(param) else 0.0)
 
-
-def _adamw_kernels():
-    from pallas_kernels import adamw   # GPU kernel: imported where used (tests swap in interpret mode here)
-    return adamw
+    def update(self, params, grads, opt_state, copies, norm, max_grad_norm):
+        """(params, opt_state, copies) after one step from the reduced gradient (pieces in their dtype) and its
+        global norm; `copies` updated in place for the pieces' leaves, cast from the new parameters for the rest."""
+        lr, bias1, bias2 = adam_step_scalars(opt_state, self.train_cfg)
+        clip = max_grad_norm is not None
+        scalars = jnp.stack([lr, bias1, bias2, norm, jnp.float32(max_grad_norm if clip else 1.0), jnp.float32(clip)])
+        adam, kernels = opt_state[0], _adamw_kernels()
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+        copy_at = dict(jax.tree_util.tree_flatten_with_path(copies)[0])
+        new_p, new_m, new_v, new_copy = [], [], [], {}
+        for (path, p), g, m, v in zip(leaves, treedef.flatten_up_to(grads), treedef.flatten_up_to(adam.mu),
+                                      treedef.flatten_up_to(adam.nu), strict=True):
+            hyper = self.hyper(p)
+            if is_layer_pieces(g):
+                c = copy_at[path]
+                for layer, piece in enumerate(g.pieces):
+                    p, m, v, c = kernels.adamw_layer_update(scalars, piece, p, m, v, c, layer=layer, **hyper)
+                new_copy[path] = c
+            else:
+                g = clip_by_norm(g, norm, max_grad_norm)
+                p_f32, m_f32, v_f32 = kernels.adamw_math(p, g, m.astype(jnp.float32), v.astype(jnp.float32), lr,
+                                                         bias1, bias2, **hyper)
+                p, m, v = p_f32.astype(p.dtype), m_f32.astype(m.dtype), v_f32.astype(v.dtype)
+                if path in copy_at:
+                    new_copy[path] = p.astype(copy_at[path].dtype)
+            new_p.append(p)
+            new_m.append(m)
+            new_v.append(v)
+        copies = jax.tree_util.tree_unflatten(jax.tree.structure(copies), [new_copy[path] for path in copy_at])
+        opt_state = advanced_state(opt_state, treedef.unflatten(new_m), treedef.unflatten(new_v))
+        return treedef.unflatten(new_p), opt_state, copies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,57 +129,34 @@ class Replicated:
                                      transform_non_params=lambda _: P())
 
     def step(self, params, grads, opt_state):
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        if self.per_device:
-            grads = _reduce_over_data(grads, self.mode)
-        norm = _global_norm(grads, self.param_specs if self.per_device else None)
+        grads, norm = self._reduced(grads)
         grads = clip_by_norm(grads, norm, self.max_grad_norm)
         updates, opt_state = self.optimizer.update(jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params),
                                                    opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"grad_norm": norm}
 
     def step_with_copies(self, params, grads, opt_state, copies):
-        """`step` with `layer_kernel`: (params, opt_state, stats, new copies). `grads` holds the unrolled stacks'
-        GEMM weights as LayerPieces (gradients.in_layer_pieces); `copies` (the GEMM weights' compute-dtype copies)
-        is updated in place for those, cast from the new parameters for the rest."""
-        kernel = self.layer_kernel
-        several = self.per_device and lax.axis_size(DATA) > 1
-        # The pieces stay in their dtype for the kernel, which widens them as it reads (a cast here would be a pass
-        # of its own); reduced over several data ranks everything is widened first, as `step` does.
-        grads = jax.tree.map(lambda g: g if is_layer_pieces(g) and not several else
+        """`step` by `layer_kernel`: (params, opt_state, stats, new copies). `grads` holds the unrolled stacks'
+        GEMM weights as LayerPieces (gradients.in_layer_pieces); `copies` are the GEMM weights' compute-dtype
+        copies."""
+        grads, norm = self._reduced(grads, keep_pieces=True)
+        params, opt_state, copies = self.layer_kernel.update(params, grads, opt_state, copies, norm,
+                                                             self.max_grad_norm)
+        return params, opt_state, {"grad_norm": norm}, copies
+
+    def _reduced(self, grads, keep_pieces: bool = False):
+        """(the gradient in float32, reduced over 'data' as `mode` says where the step runs per device, its global
+        norm). keep_pieces: LayerPieces stay in their dtype (the kernel widens them as it reads; a cast here would
+        be a pass of its own) where nothing but a mean over one float32 rank would touch them: that mean, which
+        only types them as replicated over 'data', then runs in their dtype. A compressed exchange (bf16 / fp8)
+        rounds the gradient even on one rank, so there they are widened and exchanged like every leaf."""
+        one_exact_rank = not self.per_device or (lax.axis_size(DATA) == 1 and self.mode == grad_comm.GradComm.FP32)
+        keep = keep_pieces and one_exact_rank
+        grads = jax.tree.map(lambda g: g if keep and is_layer_pieces(g) else
                              jax.tree.map(lambda x: x.astype(jnp.float32), g), grads, is_leaf=is_layer_pieces)
-        if several:
+        if self.per_device:
             grads = _reduce_over_data(grads, self.mode)
-        elif self.per_device:   # one data rank: the mean is the gradient itself, typed as replicated over 'data'
-            grads = jax.tree.map(lambda g: lax.pmean(g, DATA), grads)
-        norm = _global_norm(grads, self.param_specs if self.per_device else None)
-        lr, bias1, bias2 = adam_step_scalars(opt_state, kernel.train_cfg)
-        clip = self.max_grad_norm is not None
-        max_norm = self.max_grad_norm if clip else 1.0
-        scalars = jnp.stack([lr, bias1, bias2, norm, jnp.float32(max_norm), jnp.float32(clip)])
-        adam = opt_state[0]
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-        copy_at = dict(jax.tree_util.tree_flatten_with_path(copies)[0])
-        new_p, new_m, new_v, new_copy = [], [], [], {}
-        for (path, p), g, m, v in zip(leaves, treedef.flatten_up_to(grads), treedef.flatten_up_to(adam.mu),
-                                      treedef.flatten_up_to(adam.nu)):
-            hyper = kernel.hyper(p)
-            if is_layer_pieces(g):
-                c = copy_at[path]
-                for layer, piece in enumerate(g.pieces):
-                    p, m, v, c = _adamw_kernels().adamw_layer_update(scalars, piece, p, m, v, c, layer=layer, **hyper)
-                new_copy[path] = c
-            else:
-                g = clip_by_norm(g, norm, self.max_grad_norm)
-                p_f32, m_f32, v_f32 = _adamw_kernels().adamw_math(p, g, m.astype(jnp.float32), v.astype(jnp.float32),
-                                                                   lr, bias1, bias2, **hyper)
-                p, m, v = p_f32.astype(p.dtype), m_f32.astype(m.dtype), v_f32.astype(v.dtype)
-                if path in copy_at:
-                    new_copy[path] = p.astype(copy_at[path].dtype)
-            new_p.append(p), new_m.append(m), new_v.append(v)
-        copies = jax.tree_util.tree_unflatten(jax.tree.structure(copies), [new_copy[path] for path in copy_at])
-        opt_state = advanced_state(opt_state, treedef.unflatten(new_m), treedef.unflatten(new_v))
-        return treedef.unflatten(new_p), opt_state, {"grad_norm": norm}, copies
+        return grads, _global_norm(grads, self.param_specs if self.per_device else None)
 
 
 def _reduce_over_data(grads, mode: str):
@@ -168,7 +182,7 @@ def _global_norm(grads, param_specs):
     axes its spec shards it on (experts over 'intra', layers over 'pipe'), so every element counts once. A leaf
     given as LayerPieces sums its pieces (widened to float32 where they are read)."""
     if param_specs is None and not any(is_layer_pieces(g) for g in jax.tree.leaves(grads, is_leaf=is_layer_pieces)):
-        return optax.tree.norm(grads)
+        return optax.tree.norm(grads)   # the global view's norm as optax computes it (the XLA plan's, unchanged)
     leaves = jax.tree.leaves(grads, is_leaf=is_layer_pieces)
     specs = ([None] * len(leaves) if param_specs is None
              else jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P)))

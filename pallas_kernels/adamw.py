@@ -13,8 +13,8 @@ is: one pass of 28 bytes a parameter (f32 p, m, v read and written, bf16 gradien
 
 `scalars` is float32 [6]: the learning rate, Adam's two bias corrections 1 - b^t, the gradient's global norm,
 the clipping threshold and whether to clip (1.0 / 0.0), computed once per step by the updater
-(megascale_jax/fused_adamw.py). The arithmetic is optax.adamw's, in optax's order (`adamw_math`), so the kernel
-equals the optax chain to float32 rounding (tests/kernels/test_adamw.py).
+(megascale_jax/updaters.py, LayerKernelAdamW). The arithmetic is optax.adamw's, in optax's order (`adamw_math`), so
+the kernel equals the optax chain to float32 rounding (tests/kernels/test_adamw.py; on an H200 too).
 """
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ def adamw_layer_update(scalars, g, p, m, v, copy=None, *, layer: int, b1: float,
     if p.dtype != jnp.float32:
         raise ValueError(f"adamw_layer_update: parameters must be float32 (got {p.dtype}); the update is written "
                          f"for float32 masters with compute-dtype copies")
-    if g.shape != p.shape[1:] or m.shape != p.shape or v.shape != p.shape or (copy is not None and copy.shape != p.shape):
+    stacked_like_p = m.shape == v.shape == p.shape and (copy is None or copy.shape == p.shape)
+    if g.shape != p.shape[1:] or not stacked_like_p:
         raise ValueError(f"adamw_layer_update: gradient {g.shape} must be one row of the stacked parameter "
                          f"{p.shape}, moments {m.shape} / {v.shape} and copy "
                          f"{None if copy is None else copy.shape} shaped like it")
