@@ -198,11 +198,10 @@ def xla_twin(monkeypatch):
     # data 2 x intra 2: the pieces reduced over 'data', the experts' part of the norm summed over 'intra'
     {"parallel.intra": 2, "train.grad_clip": 0.05, "devices": 4},
     # data 1 x intra 2, as one GPU runs it: the update inside the skip cond (its other branch returns the state as
-    # it was: both typed alike)
-    {"parallel.intra": 2, "train.nonfinite": "skip", "devices": 2},
-    # data 1 with a compressed exchange, which rounds the gradient even on one rank; and the macro MoE layer
-    {"parallel.intra": 2, "parallel.grad_comm": "fp8", "parallel.moe_layer": "macro", "devices": 2},
-], ids=["data2-intra2", "data1-skip", "data1-fp8-macro"])
+    # it was: both typed alike); a compressed exchange, which rounds the gradient even on one rank; the macro layer
+    {"parallel.intra": 2, "train.nonfinite": "skip", "parallel.grad_comm": "fp8", "parallel.moe_layer": "macro",
+     "devices": 2},
+], ids=["data2-intra2", "data1-skip-fp8-macro"])
 def test_per_device(xla_twin, monkeypatch, overrides):
     overrides = dict(overrides)
     _steps_side_by_side(monkeypatch, devices=overrides.pop("devices"), plan_recipe="megascale", **overrides)
