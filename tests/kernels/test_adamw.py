@@ -70,7 +70,8 @@ def test_interpret_kernel_equals_optax(moments, max_norm):
 
 
 @pytest.mark.parametrize("shape, block", [((4, 3, 24), 128),    # tiles of 4 rows x 32: 12 rows over 3 tiles
-                                          ((3, 2, 200), 128)])  # a row in two column blocks, the second partial
+                                          ((3, 2, 200), 128),   # a row in two column blocks, the second partial
+                                          ((37,), 64)])         # a 1-D layer: one row, the tile's others masked
 def test_interpret_tiles_of_stacked_rows_equal_optax(shape, block):
     """An expert weight's layer [E, D, F]: the leading axes unravelled from the tile's rows, the last one a column
     block; every element updated once, none outside the layer."""
