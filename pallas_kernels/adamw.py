@@ -32,8 +32,8 @@ __all__ = ["adamw_math", "clip_gradient", "adamw_layer_update", "adamw_layer_upd
            "NUM_WARPS"]
 
 SCALARS = ("lr", "bias1", "bias2", "norm", "max_norm", "clip")
-BLOCK = 4096      # elements per program: 16 per thread of 8 warps, 16 KB of each float32 stream (a tile of
-                  # 4096 / next_pow2(last axis) rows, or one row split into 4096-wide column blocks)
+BLOCK = 4096      # elements per program: 16 per thread of 8 warps, 16 KB of each float32 stream (its rows x
+                  # columns: `_tile`)
 NUM_WARPS = 8
 
 
