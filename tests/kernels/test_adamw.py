@@ -260,16 +260,17 @@ def test_resolution():
 
     ok = dict(backend="gpu", partitioned_by_xla=False, zero1=False, copies=True, float32_params=True,
               unrolled_stacks=("moe_blocks",))
-    assert resolve_adamw("auto", **ok) == "xla"   # until its step has been timed on a GPU
+    assert resolve_adamw("auto", **ok) == "pallas"
     assert resolve_adamw("pallas", **ok) == "pallas"
+    assert resolve_adamw("xla", **ok) == "xla"
     for why, change in [("backend 'cpu'", dict(backend="cpu")), ("zero1", dict(zero1=True)),
                         ("no compute-dtype copies", dict(copies=False)),
                         ("param_dtype other than float32", dict(float32_params=False)),
                         ("train.scan_unroll", dict(unrolled_stacks=())),
                         ("the XLA plan on several devices", dict(partitioned_by_xla=True))]:
+        assert resolve_adamw("auto", **{**ok, **change}) == "xla", why   # auto falls back where pallas is refused
         with pytest.raises(ValueError, match=why):
             resolve_adamw("pallas", **{**ok, **change})
-
 
 def test_no_concatenation_of_the_stacked_gradients(xla_twin, monkeypatch):
     """What the pieces are for: in the compiled step (CPU, the kernel's XLA twin in its place) the optax update
