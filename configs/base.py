@@ -94,7 +94,7 @@ def get_config() -> ConfigDict:
     c.kernels.permute = "auto"
     # auto | xla | pallas (AdamW of the unrolled layer stacks' GEMM weights from their per-layer gradients, one
     # kernel pass that also writes the compute copies: no concatenation of the stacked gradients; GPU per device).
-    # auto: pallas where it can run (megascale_jax/updaters.py resolve_adamw), else xla
+    # auto: pallas where it can run and train.microbatches is 1 (megascale_jax/updaters.py resolve_adamw), else xla
     c.kernels.adamw = "auto"
     # auto | separate | separate_pallas_bwd (the activation's backward in one Pallas pass) | fused (first expert
     # GEMMs + SwiGLU in one kernel; not faster yet). auto: separate_pallas_bwd on GPU per device, for the experts only

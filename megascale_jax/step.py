@@ -90,7 +90,8 @@ def resolve_kernels(cfg: Config, plan: ParallelPlan) -> Kernels:
                               zero1=cfg.parallel.optimizer_sharding == OptimizerSharding.ZERO1,
                               copies=_keeps_copies(cfg, plan),
                               float32_params=DTYPES[cfg.train.param_dtype] == jnp.float32,
-                              unrolled_stacks=unrolled_stacks(cfg.model, cfg.train.scan_unroll))
+                              unrolled_stacks=unrolled_stacks(cfg.model, cfg.train.scan_unroll),
+                              microbatches=cfg.train.microbatches)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return Kernels(attention=resolve_attention_impl(cfg.kernels.attention, backend=backend, compute_dtype=compute),

@@ -36,12 +36,17 @@ class AdamWImpl(StrEnum):
 
 
 def resolve_adamw(choice: str, *, backend: str, partitioned_by_xla: bool, zero1: bool, copies: bool,
-                  float32_params: bool, unrolled_stacks: tuple) -> str:
-    """`auto` -> 'pallas' where it can run and has layers to update, else 'xla'. Measured in deepseekmoe_small's
-    train step (8 x 4096 tokens, one H100, same call, benchmarks/results/train_step_adamw_1xh100.json): GPU-busy
-    94.03 vs 95.51 ms a step, 163.5k vs 161.8k tokens/s; the stacked gradients' concatenation (1.34 ms) is gone and
-    the kernel's passes (5.4 ms) replace XLA's (6.3 ms). 'pallas' where it cannot run or would have nothing to do is
-    a one-line error."""
+                  float32_params: bool, unrolled_stacks: tuple, microbatches: int = 1) -> str:
+    """`auto` -> 'pallas' where it can run and the step has one microbatch, else 'xla'. What it removes is the
+    concatenation of an unrolled stack's per-layer gradients, which exists only without gradient accumulation (the
+    accumulation adds each microbatch's pieces into stacked buffers). Measured on one H100, each pair in one call
+    (benchmarks/results/train_step_adamw_1xh100.json, train_step_adamw_mixtral_1xh100.json,
+    train_step_adamw_microbatches_1xh100.json):
+    deepseekmoe_small 8 x 4096, GPU-busy 188.06 vs 191.02 ms a step, 163.5k vs 161.8k tokens/s (the kernel's calls
+    12.0 ms against XLA's 11.5 for the same weights plus the 2.68 ms concatenation); mixtral_small 8 x 4096, 356.2
+    vs 358.8 ms, 88.8k vs 88.3k; deepseekmoe_small 16 x 4096 in 2 microbatches, 383.6 vs 381.0 ms, 167.5k vs
+    168.3k (no gain: nothing to remove). 'pallas' where it cannot run or would have nothing to do is a one-line
+    error."""
     refusals = [per_device_refusal(backend=backend, partitioned_by_xla=partitioned_by_xla),
                 zero1 and "parallel.optimizer_sharding='zero1' (it updates flat slices of the state)",
                 not float32_params and "train.param_dtype other than float32 (the kernel updates float32 masters)",
@@ -51,7 +56,7 @@ def resolve_adamw(choice: str, *, backend: str, partitioned_by_xla: bool, zero1:
                                          "a scanned stack's gradient is one array already)")]
     why = next((r for r in refusals if r), None)
     if choice == AdamWImpl.AUTO:
-        return (AdamWImpl.XLA if why else AdamWImpl.PALLAS).value
+        return (AdamWImpl.XLA if why or microbatches > 1 else AdamWImpl.PALLAS).value
     if choice == AdamWImpl.PALLAS and why:
         raise ValueError(f"config.kernels.adamw='pallas' updates the unrolled layer stacks' GEMM weights per layer "
                          f"on a GPU and this run has {why}; use 'xla' or 'auto'")

@@ -261,6 +261,8 @@ def test_resolution():
     ok = dict(backend="gpu", partitioned_by_xla=False, zero1=False, copies=True, float32_params=True,
               unrolled_stacks=("moe_blocks",))
     assert resolve_adamw("auto", **ok) == "pallas"
+    assert resolve_adamw("auto", **ok, microbatches=2) == "xla"       # accumulated: no concatenation to remove
+    assert resolve_adamw("pallas", **ok, microbatches=2) == "pallas"
     assert resolve_adamw("pallas", **ok) == "pallas"
     assert resolve_adamw("xla", **ok) == "xla"
     for why, change in [("backend 'cpu'", dict(backend="cpu")), ("zero1", dict(zero1=True)),
