@@ -274,6 +274,7 @@ def test_resolution():
         with pytest.raises(ValueError, match=why):
             resolve_adamw("pallas", **{**ok, **change})
 
+
 def test_no_concatenation_of_the_stacked_gradients(xla_twin, monkeypatch):
     """What the pieces are for: in the compiled step (CPU, the kernel's XLA twin in its place) the optax update
     concatenates each stacked GEMM weight's per-layer gradients into a bf16 [2, ...] array; with kernels.adamw=
