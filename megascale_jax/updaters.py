@@ -36,7 +36,7 @@ class AdamWImpl(StrEnum):
 
 
 def resolve_adamw(choice: str, *, backend: str, partitioned_by_xla: bool, zero1: bool, copies: bool,
-                  float32_params: bool, unrolled_stacks: tuple, microbatches: int = 1) -> str:
+                  float32_params: bool, unrolled_stacks: tuple, microbatches: int) -> str:
     """`auto` -> 'pallas' where it can run and the step has one microbatch, else 'xla'. What it removes is the
     concatenation of an unrolled stack's per-layer gradients, which exists only without gradient accumulation (the
     accumulation adds each microbatch's pieces into stacked buffers). Measured on one H100, each pair in one call

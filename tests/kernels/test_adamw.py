@@ -259,10 +259,10 @@ def test_resolution():
     from megascale_jax.updaters import resolve_adamw
 
     ok = dict(backend="gpu", partitioned_by_xla=False, zero1=False, copies=True, float32_params=True,
-              unrolled_stacks=("moe_blocks",))
+              unrolled_stacks=("moe_blocks",), microbatches=1)
     assert resolve_adamw("auto", **ok) == "pallas"
-    assert resolve_adamw("auto", **ok, microbatches=2) == "xla"       # accumulated: no concatenation to remove
-    assert resolve_adamw("pallas", **ok, microbatches=2) == "pallas"
+    assert resolve_adamw("auto", **{**ok, "microbatches": 2}) == "xla"       # accumulated: no concatenation to remove
+    assert resolve_adamw("pallas", **{**ok, "microbatches": 2}) == "pallas"
     assert resolve_adamw("pallas", **ok) == "pallas"
     assert resolve_adamw("xla", **ok) == "xla"
     for why, change in [("backend 'cpu'", dict(backend="cpu")), ("zero1", dict(zero1=True)),
