@@ -95,7 +95,8 @@ def pallas_tiles(chunk: int, num_warps: int):
 
 
 SWEEP = [(1024, 4), (4096, 4), (2048, 8), (4096, 8)]   # (columns per step, warps); the default is 2048, 4
-# loss_and_logit_grad (the fused head's one kernel: loss and softmax - one-hot, written to a new array here):
+# loss_and_scaled_logit_grad (the fused head's one kernel: loss and (softmax - one-hot) / a row scale, written to a
+# new array here):
 # (columns per step, warps), one program per row. Persistent grids of 132-1056 programs striding over the rows ran
 # 8.4-13.9 ms at deepseekmoe_small's shape on an H100, one program per row 6.8 ms, and were removed
 # (benchmarks/results/cross_entropy_fused_head_1xh100.json)
@@ -103,15 +104,15 @@ FUSED = [(2048, 4), (4096, 8), (4096, 16), (16384, 32)]
 
 
 def fused_loss_and_grad(chunk: int, num_warps: int, interpret: bool = False):
-    """The fused kernel alone: the mean loss and d (its whole [T, V] cost in the fused head; what remains of the
-    backward there is a scale on the head GEMMs' [T, D] side)."""
-    from pallas_kernels.cross_entropy import loss_and_logit_grad
+    """The fused kernel alone: the mean loss, d and its row scale (its whole [T, V] cost in the fused head; what
+    remains of the backward there is a scale on the head GEMMs' [T, D] side)."""
+    from pallas_kernels.cross_entropy import loss_and_scaled_logit_grad
 
     def f(logits_BSV, targets_BS):
         b, s, v = logits_BSV.shape
-        loss, d = loss_and_logit_grad(logits_BSV.reshape(b * s, v), targets_BS.reshape(b * s), interpret, chunk,
-                                      num_warps, alias=False)
-        return jnp.mean(loss), d
+        loss, d, row_scale = loss_and_scaled_logit_grad(logits_BSV.reshape(b * s, v), targets_BS.reshape(b * s),
+                                                        interpret, chunk, num_warps, alias=False)
+        return jnp.mean(loss), d, row_scale
     return f
 
 

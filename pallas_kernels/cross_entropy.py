@@ -3,9 +3,10 @@
     forward   one read: per row a running max and exp-sum over column chunks (one exponential per logit) and the
               target's logit -> log Z and the target logit, float32 [T];
     backward  one read and one write: d logits = g (exp(x - log Z) - one-hot), in the logits' dtype;
-    fused     `loss_and_logit_grad`: both in one kernel, d = softmax - one-hot written over the logits, for
-              `head_cross_entropy_per_token` (the output head's GEMM and the loss as one custom VJP whose backward
-              scales the GEMMs' [T, D] side by the cotangent: kernels.cross_entropy='pallas_fused').
+    fused     `loss_and_scaled_logit_grad`: both in one read and one write, d = (softmax - one-hot) / a per-row
+              scale written over the logits, for `head_cross_entropy_per_token` (the output head's GEMM and the
+              loss as one custom VJP whose backward scales the GEMMs' [T, D] side by the cotangent and that row
+              scale: kernels.cross_entropy='pallas_fused').
 
 Why not XLA's: jax.nn.logsumexp is a max pass and an exp-sum pass over the logits, and XLA's exp-sum and backward
 passes run well below HBM speed: on an H200, 4.3 ms for the forward and 4.7 ms for the backward of
@@ -30,7 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.varying import match_varying, output_struct, vary_like
 
-__all__ = ["cross_entropy_per_token", "head_cross_entropy_per_token", "loss_and_logit_grad", "CHUNK", "NUM_WARPS"]
+__all__ = ["cross_entropy_per_token", "head_cross_entropy_per_token", "loss_and_scaled_logit_grad", "CHUNK", "NUM_WARPS"]
 
 CHUNK = 2048      # columns per loop step: 2048 bf16 = 4 KB per row and step, 16 per thread of 4 warps
 NUM_WARPS = 4
@@ -73,12 +74,79 @@ def _backward_kernel(x_ref, target_ref, log_z_ref, g_ref, dx_ref, *, chunk: int)
         plgpu.store(dx_ref.at[cols], d.astype(dx_ref.dtype), mask=mask)
 
 
-def _loss_and_grad_kernel(x_ref, target_ref, d_ref, log_z_ref, target_logit_ref, *, chunk: int):
-    """One row: the forward's statistics, then d = exp(x - log Z) - one-hot over the same row, stored over it when
-    d_ref aliases x_ref (each chunk is read before it is written, by this program alone)."""
+# The fused kernel's reference (`_loss_and_grad_kernel`): its row is stored as exp(x - R) for a reference R set from
+# the first chunk with a finite maximum, R = that maximum + REFERENCE_MARGIN, and moved (the chunks already stored
+# read again and rescaled) only where a later chunk's maximum passes R + HEADROOM. So every stored value is at most
+# e^HEADROOM (~2e17: the head GEMMs' float32 sums over a 100k-word row cannot overflow), and as R is at most the
+# row's maximum + REFERENCE_MARGIN, a value underflows (exp below e^-87) only where its logit is more than 71 below
+# that maximum: a probability under e^-71 ~ 1e-31, which the bf16 softmax of the form before kept and no GEMM sum
+# can see. A real row moves R only if one of its logits is 56 above the first chunk's largest; a test builds one.
+REFERENCE_MARGIN = 16.0
+HEADROOM = 40.0
+
+
+def _loss_and_grad_kernel(x_ref, target_ref, d_ref, log_z_ref, target_logit_ref, row_scale_ref, *, chunk: int):
+    """One row, one read: per chunk e = exp(x - R), summed into the row's exp-sum and stored over the chunk when
+    d_ref aliases x_ref (each chunk is read before it is written, by this program alone). Then log Z = R + log s,
+    row_scale = 1 / s, so softmax = e * row_scale, and the target's column gets (softmax - 1) / row_scale: the
+    caller scales d by row_scale, which the head folds into its [T, D] side. Non-finite logits give a non-finite
+    log Z (+inf, or NaN for NaN), as the plain form does; their d is then meaningless, as the loss is."""
+    n, target = x_ref.shape[0], target_ref[...]
+
+    def shift_of(r):   # the subtrahend of exp(x - .): 0 while no finite reference exists
+        return jnp.where(jnp.isfinite(r), r, 0.0)
+
+    def body(i, carry):
+        r, s, hit = carry
+        cols = i * chunk + jnp.arange(chunk)
+        mask = cols < n
+        x = plgpu.load(x_ref.at[cols], mask=mask, other=-jnp.inf).astype(jnp.float32)
+        top = jnp.max(x)
+        # a finite maximum past the headroom moves R (also the first finite one, R = -inf); a non-finite one sets
+        # R to itself once (+inf or NaN); R = NaN never moves again
+        moves = ~(top <= r + HEADROOM) & ~jnp.isnan(r)
+        r_new = jnp.where(moves, top + REFERENCE_MARGIN, r)
+        # R = -inf: every stored value and s are 0 (all earlier logits -inf), nothing to rescale; a non-finite R:
+        # the row's d is meaningless (the loss is not finite)
+        finite_move = jnp.isfinite(r) & jnp.isfinite(r_new)
+        factor = jnp.where(finite_move, jnp.exp(r - r_new), 1.0)
+
+        def rescale_stored_chunks():   # chunks 0..i-1, stored against the old reference, against the new one
+            @pl.loop(0, pl.cdiv(n, chunk))
+            def _(j):
+                cols_j = j * chunk + jnp.arange(chunk)
+                mask_j = (cols_j < i * chunk) & (cols_j != target)
+                old = plgpu.load(d_ref.at[cols_j], mask=mask_j, other=0.0).astype(jnp.float32)
+                plgpu.store(d_ref.at[cols_j], (old * factor).astype(d_ref.dtype), mask=mask_j)
+
+        jax.lax.cond(moves & finite_move, rescale_stored_chunks, lambda: None)
+        e = jnp.exp(x - shift_of(r_new))
+        # the target's column keeps its logit until the end (the last store below is its only write)
+        plgpu.store(d_ref.at[cols], e.astype(d_ref.dtype), mask=mask & (cols != target))
+        return r_new, s * factor + jnp.sum(e), hit + jnp.where(cols == target, x, 0.0)
+
+    r, s, hit = jax.lax.fori_loop(0, pl.cdiv(n, chunk), body, (jnp.float32(-jnp.inf), jnp.float32(0.0),
+                                                               jnp.zeros((chunk,), jnp.float32)))
+    target_logit = jnp.sum(hit)
+    log_z_ref[...] = jnp.where(jnp.isfinite(r), r + jnp.log(s), r)
+    target_logit_ref[...] = target_logit
+    row_scale_ref[...] = 1.0 / s
+    # (softmax - 1) / row_scale at the target = exp(x_t - R) - s; one lane of the target's chunk stores it
+    base = jax.lax.div(jnp.clip(target, 0, n - 1), chunk) * chunk   # non-negative: a plain division
+    cols = base + jnp.arange(chunk)
+    value = jnp.exp(target_logit - shift_of(r)) - s
+    plgpu.store(d_ref.at[cols], jnp.full((chunk,), value).astype(d_ref.dtype),
+                mask=(cols == target) & (target >= 0) & (target < n))
+
+
+def _loss_and_grad_two_reads_kernel(x_ref, target_ref, d_ref, log_z_ref, target_logit_ref, row_scale_ref, *,
+                                    chunk: int):
+    """`_loss_and_grad_kernel`'s form before it (kernels.cross_entropy='pallas_fused'): the forward's statistics,
+    then d = exp(x - log Z) - one-hot itself (row_scale 1) over the same row, stored over it when d_ref aliases
+    x_ref: a second read of the row (each chunk read before it is written, by this program alone)."""
     n, target = x_ref.shape[0], target_ref[...]
     log_z, target_logit = _row_statistics(x_ref, target, chunk)
-    log_z_ref[...], target_logit_ref[...] = log_z, target_logit
+    log_z_ref[...], target_logit_ref[...], row_scale_ref[...] = log_z, target_logit, jnp.float32(1.0)
     chunks = pl.cdiv(n, chunk)
 
     @pl.loop(0, chunks)
@@ -147,56 +215,62 @@ def _vjp_backward(interpret, chunk, num_warps, residuals, g_T):
 cross_entropy_per_token.defvjp(_vjp_forward, _vjp_backward)
 
 
-def loss_and_logit_grad(logits_TV, targets_T, interpret: bool = False, chunk: int = CHUNK,
-                        num_warps: int = NUM_WARPS, alias: bool = True):
-    """(float32 [T] loss as `cross_entropy_per_token`, d [T, V] = softmax - one-hot in the logits' dtype) in one
-    kernel whose d is written over the logits (input_output_aliases: XLA copies them first only if they are used
-    after this call). The loss's gradient w.r.t. the logits is g[:, None] * d for a cotangent g; in
-    `head_cross_entropy_per_token` the scale by g moves onto the head GEMMs' [T, D] side, so the logits take two
-    kernels become one, and no second [T, V] array is alive at once. One program per row reads it twice (the second
-    read mostly from HBM: on an H100 the kernel takes ~3 elementwise passes' time, 6.83 vs the two kernels' 7.24 ms
-    at 32768 x 102400; persistent grids that kept fewer rows in flight, to hit L2, were slower:
-    benchmarks/results/cross_entropy_fused_head_1xh100.json). `alias=False` writes d to a new array
-    (bench_cross_entropy: a jitted function's argument is not donated, so an alias would copy it first)."""
+def loss_and_scaled_logit_grad(logits_TV, targets_T, interpret: bool = False, chunk: int = CHUNK,
+                               num_warps: int = NUM_WARPS, alias: bool = True, one_read: bool = True):
+    """(float32 [T] loss as `cross_entropy_per_token`, d [T, V] in the logits' dtype, float32 [T] row_scale) with
+    softmax - one-hot = row_scale[:, None] * d, from one kernel that reads each row once and writes d over the
+    logits (input_output_aliases: XLA copies them first only if they are used after this call). The loss's gradient
+    w.r.t. the logits is (g * row_scale)[:, None] * d for a cotangent g; in `head_cross_entropy_per_token` that
+    per-row factor moves onto the head GEMMs' [T, D] side, so the logits take one kernel and no second [T, V] array
+    is alive at once. d rounds each value to bf16 once, as softmax - one-hot in bf16 does (the reference R:
+    `REFERENCE_MARGIN`). The form before this one stored softmax - one-hot itself, which needs log Z before the
+    first store: a second read of the row (on an H100 ~3 elementwise passes' time, 6.83 ms at 32768 x 102400;
+    benchmarks/results/cross_entropy_fused_head_1xh100.json); `one_read=False` runs that form (row_scale 1).
+    `alias=False` writes d to a new array (bench_cross_entropy: a jitted function's argument is not donated, so an
+    alias would copy it first)."""
     t, v = logits_TV.shape
     if chunk & (chunk - 1):
-        raise ValueError(f"loss_and_logit_grad: chunk={chunk} must be a power of 2 (Triton's block sizes)")
+        raise ValueError(f"loss_and_scaled_logit_grad: chunk={chunk} must be a power of 2 (Triton's block sizes)")
     targets_T = targets_T.astype(jnp.int32)
     logits_TV, targets_T = (vary_like(a, logits_TV, targets_T) for a in (logits_TV, targets_T))
     scalar = output_struct((t,), jnp.float32, logits_TV, targets_T)
-    d, log_z, target_logit = pl.pallas_call(
-        functools.partial(_loss_and_grad_kernel, chunk=chunk), grid=(t,),
-        in_specs=[_row_spec(v), _SCALAR], out_specs=[_row_spec(v), _SCALAR, _SCALAR],
-        out_shape=[output_struct(logits_TV.shape, logits_TV.dtype, logits_TV, targets_T), scalar, scalar],
+    d, log_z, target_logit, row_scale = pl.pallas_call(
+        functools.partial(_loss_and_grad_kernel if one_read else _loss_and_grad_two_reads_kernel, chunk=chunk),
+        grid=(t,),
+        in_specs=[_row_spec(v), _SCALAR], out_specs=[_row_spec(v), _SCALAR, _SCALAR, _SCALAR],
+        out_shape=[output_struct(logits_TV.shape, logits_TV.dtype, logits_TV, targets_T), scalar, scalar, scalar],
         input_output_aliases={0: 0} if alias else {}, compiler_params=plgpu.CompilerParams(num_warps=num_warps),
         interpret=interpret, name="cross_entropy_loss_and_grad")(logits_TV, targets_T)
     in_vocab = (targets_T >= 0) & (targets_T < v)
-    return log_z - jnp.where(in_vocab, target_logit, jnp.nan), d
+    return log_z - jnp.where(in_vocab, target_logit, jnp.nan), d, row_scale
 
 
 def _head_logits(x_TD, w, w_is_VD: bool):
     return jnp.einsum("td,vd->tv" if w_is_VD else "td,dv->tv", x_TD, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def head_cross_entropy_per_token(x_TD, w, targets_T, w_is_VD: bool = False, interpret: bool = False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def head_cross_entropy_per_token(x_TD, w, targets_T, w_is_VD: bool = False, interpret: bool = False,
+                                 one_read: bool = True):
     """float32 [T]: `cross_entropy_per_token(x_TD @ W)` with W = w ([D, V]), or w.T where `w_is_VD` (a tied
     embedding table [V, D]); x and w in the compute dtype. The output head's GEMM and the loss as one custom VJP
-    (the forward writes the logits' gradient up to the cotangent; see `loss_and_logit_grad`). Its plain twin is
-    `cross_entropy_per_token` of the same einsum (tests/kernels/test_fused_head_cross_entropy.py)."""
+    (the forward writes the logits' gradient up to the cotangent; see `loss_and_scaled_logit_grad`). Its plain twin is
+    `cross_entropy_per_token` of the same einsum (tests/kernels/test_fused_head_cross_entropy.py). `one_read`: the
+    kernel that reads the logits once (kernels.cross_entropy='pallas_fused_one_read'), else twice ('pallas_fused')."""
     return cross_entropy_per_token(_head_logits(x_TD, w, w_is_VD), targets_T, interpret)
 
 
-def _head_forward(x_TD, w, targets_T, w_is_VD, interpret):
-    loss_T, d_TV = loss_and_logit_grad(_head_logits(x_TD, w, w_is_VD), targets_T, interpret)
-    return loss_T, (x_TD, w, d_TV)
+def _head_forward(x_TD, w, targets_T, w_is_VD, interpret, one_read):
+    loss_T, d_TV, row_scale_T = loss_and_scaled_logit_grad(_head_logits(x_TD, w, w_is_VD), targets_T, interpret,
+                                                           one_read=one_read)
+    return loss_T, (x_TD, w, d_TV, row_scale_T)
 
 
-def _head_backward(w_is_VD, interpret, residuals, g_T):
-    """d logits = g[:, None] * d, so d x = g * (d @ W^T) (the float32 GEMM output scaled, then rounded) and
-    d W = (g * x)^T @ d: the scale costs a [T, D] pass, not a [T, V] one."""
-    x_TD, w, d_TV = residuals
-    g = g_T.astype(jnp.float32)[:, None]
+def _head_backward(w_is_VD, interpret, one_read, residuals, g_T):
+    """d logits = g'[:, None] * d with g' = g * row_scale, so d x = g' * (d @ W^T) (the float32 GEMM output scaled,
+    then rounded) and d W = (g' * x)^T @ d: the scale costs a [T, D] pass, not a [T, V] one."""
+    x_TD, w, d_TV, row_scale_T = residuals
+    g = (g_T.astype(jnp.float32) * row_scale_T)[:, None]
     dx = jnp.einsum("tv,vd->td" if w_is_VD else "tv,dv->td", d_TV, w, preferred_element_type=jnp.float32)
     dx = (dx * g).astype(x_TD.dtype)
     xg = (x_TD.astype(jnp.float32) * g).astype(x_TD.dtype)

@@ -124,6 +124,9 @@ class CrossEntropyImpl(StrEnum):
     # pallas_kernels/cross_entropy.head_cross_entropy_per_token: the head GEMM and the loss as one custom VJP whose
     # forward kernel writes softmax - one-hot over the logits (GPU, per device; `pallas` is its unfused twin)
     PALLAS_FUSED = "pallas_fused"
+    # the same head with a kernel that reads the logits once and stores (softmax - one-hot) / a per-row scale
+    # (pallas_kernels/cross_entropy.loss_and_scaled_logit_grad); not yet run on a GPU, so `auto` does not pick it
+    PALLAS_FUSED_ONE_READ = "pallas_fused_one_read"
     AUTO = "auto"       # resolved at build time (`resolve_cross_entropy`)
 
 
@@ -139,7 +142,8 @@ def resolve_cross_entropy(choice: str, *, backend: str, partitioned_by_xla: bool
     where = per_device_refusal(backend=backend, partitioned_by_xla=partitioned_by_xla)
     if choice == CrossEntropyImpl.AUTO:
         return (CrossEntropyImpl.XLA if where else CrossEntropyImpl.PALLAS_FUSED).value
-    if choice in (CrossEntropyImpl.PALLAS, CrossEntropyImpl.PALLAS_FUSED) and where:
+    if choice in (CrossEntropyImpl.PALLAS, CrossEntropyImpl.PALLAS_FUSED, CrossEntropyImpl.PALLAS_FUSED_ONE_READ) \
+            and where:
         raise ValueError(f"config.kernels.cross_entropy={choice!r} is a per-device GPU kernel and this run has {where}; "
                          f"use 'xla' or 'auto'")
     return CrossEntropyImpl(choice).value
@@ -153,14 +157,15 @@ def pallas_cross_entropy(logits_BSV, targets_BS, interpret: bool = False):
     return jnp.mean(cross_entropy_per_token(logits_BSV.reshape(b * s, v), targets_BS.reshape(b * s), interpret))
 
 
-def pallas_head_cross_entropy(x_BSD, w, targets_BS, w_is_VD: bool, interpret: bool = False):
+def pallas_head_cross_entropy(x_BSD, w, targets_BS, w_is_VD: bool, interpret: bool = False, one_read: bool = False):
     """`cross_entropy`'s value of the logits x @ w (w: [D, V]; [V, D] where `w_is_VD`, a tied table), the head
-    GEMM and the loss as one custom VJP (pallas_kernels/cross_entropy.head_cross_entropy_per_token)."""
+    GEMM and the loss as one custom VJP (pallas_kernels/cross_entropy.head_cross_entropy_per_token); `one_read`:
+    its kernel that reads the logits once (kernels.cross_entropy='pallas_fused_one_read')."""
     from pallas_kernels.cross_entropy import head_cross_entropy_per_token
 
     b, s, d = x_BSD.shape
     return jnp.mean(head_cross_entropy_per_token(x_BSD.reshape(b * s, d), w.astype(x_BSD.dtype),
-                                                 targets_BS.reshape(b * s), w_is_VD, interpret))
+                                                 targets_BS.reshape(b * s), w_is_VD, interpret, one_read))
 
 
 def cross_entropy(logits_BSV, targets_BS):

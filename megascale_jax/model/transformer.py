@@ -336,9 +336,11 @@ class Transformer(nnx.Module):
 
     def head_loss(self, x_BSD, targets_BS, layout):
         """Mean token cross-entropy over the whole batch (on every device)."""
-        if self.cross_entropy_impl == CrossEntropyImpl.PALLAS_FUSED:
+        if self.cross_entropy_impl in (CrossEntropyImpl.PALLAS_FUSED, CrossEntropyImpl.PALLAS_FUSED_ONE_READ):
             x_BSD, w, w_is_VD = self.head_operands(x_BSD)
-            return layout.reductions.token_mean(pallas_head_cross_entropy(x_BSD, w, targets_BS, w_is_VD))
+            one_read = self.cross_entropy_impl == CrossEntropyImpl.PALLAS_FUSED_ONE_READ
+            return layout.reductions.token_mean(pallas_head_cross_entropy(x_BSD, w, targets_BS, w_is_VD,
+                                                                          one_read=one_read))
         if self.cross_entropy_impl == CrossEntropyImpl.PALLAS:
             return layout.reductions.token_mean(pallas_cross_entropy(self.logits(x_BSD, None), targets_BS))
         return layout.reductions.token_mean(cross_entropy(self.logits(x_BSD), targets_BS))

@@ -90,10 +90,12 @@ def test_resolution_by_backend_and_plan():
         resolve_cross_entropy("pallas", backend="gpu", partitioned_by_xla=True)
 
 
-@pytest.mark.parametrize("impl, tied", [("pallas", False), ("pallas_fused", False), ("pallas_fused", True)])
+@pytest.mark.parametrize("impl, tied", [("pallas", False), ("pallas_fused", False), ("pallas_fused", True),
+                                        ("pallas_fused_one_read", False), ("pallas_fused_one_read", True)])
 def test_the_models_loss_and_gradients_with_the_pallas_cross_entropy(monkeypatch, impl, tied):
-    """The tiny model in bf16 compute: kernels.cross_entropy 'pallas' and 'pallas_fused' (interpret mode; the latter
-    with the untied head and the tied table) against 'xla', the loss and every parameter's gradient."""
+    """The tiny model in bf16 compute: kernels.cross_entropy 'pallas', 'pallas_fused' and 'pallas_fused_one_read'
+    (interpret mode; the fused heads with the untied head and the tied table) against 'xla', the loss and every
+    parameter's gradient."""
     from flax import nnx
 
     from megascale_jax import step

@@ -1,6 +1,7 @@
-"""The fused output head (pallas_kernels/cross_entropy.py: `loss_and_logit_grad`, `head_cross_entropy_per_token`;
-kernels.cross_entropy='pallas_fused') against its unfused twin, the head's einsum followed by
-`cross_entropy_per_token`: the kernel's loss and softmax - one-hot against the two-kernel forward and backward, the
+"""The fused output head (pallas_kernels/cross_entropy.py: `loss_and_scaled_logit_grad`,
+`head_cross_entropy_per_token`; kernels.cross_entropy='pallas_fused') against its unfused twin, the head's einsum
+followed by `cross_entropy_per_token`: the kernel's loss and softmax - one-hot (its d times its row scale, including
+rows whose reference moves and non-finite rows) against the two-kernel forward and backward, the
 head's value and x / w gradients (both weight layouts, per-token cotangents) against the twin and a float32
 reference, in interpret mode on the CPU; the CUDA lowering (one Triton call, the logits aliased to their gradient);
 compiled on the GPU (`-m gpu`). The model's loss and gradients with it: test_cross_entropy.py."""
@@ -11,7 +12,7 @@ import pytest
 
 from megascale_jax.model.layers import CrossEntropyImpl, resolve_cross_entropy
 from pallas_kernels.cross_entropy import (CHUNK, cross_entropy_per_token, head_cross_entropy_per_token,
-                                          loss_and_logit_grad)
+                                          loss_and_scaled_logit_grad)
 from tests.kernels.triton_lowering import lowered_train_step_for_cuda
 
 
@@ -21,34 +22,70 @@ def _logits(tokens, vocab, seed=0, scale=8.0):
     return logits, jax.random.randint(kt, (tokens,), 0, vocab)
 
 
-def _check_kernel(logits, targets, interpret=True, **tiles):
-    loss, d = loss_and_logit_grad(logits, targets, interpret, **tiles)
+def _check_kernel(logits, targets, interpret=True, one_read=True, **tiles):
+    loss, d, row_scale = loss_and_scaled_logit_grad(logits, targets, interpret, one_read=one_read, **tiles)
     want = cross_entropy_per_token(logits, targets, interpret)
     d_want = jax.grad(lambda x: jnp.sum(cross_entropy_per_token(x, targets, interpret)))(logits)   # cotangent 1
-    assert d.dtype == logits.dtype and d.shape == logits.shape
-    np.testing.assert_allclose(np.asarray(loss), np.asarray(want), rtol=1e-6)
-    # the same float32 expression rounded to bf16 by both
-    np.testing.assert_array_equal(np.asarray(d, np.float32), np.asarray(d_want, np.float32))
+    assert d.dtype == logits.dtype and d.shape == logits.shape and row_scale.shape == targets.shape
+    # log Z - the target's logit: where the two nearly cancel (a confident row) both carry log Z's float32 rounding,
+    # ~1 ulp of the largest logit (7.6e-6 at 90), computed in different orders
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(want), rtol=2e-6, atol=2e-5)
+    # each rounds the same real number to bf16 once (ours before the row scale, the twin after), each within half a
+    # bf16 step (2^-8 of the value): within 2^-7 of each other; a probability below 1e-28 may underflow in one
+    ours = np.asarray(d, np.float32) * np.asarray(row_scale)[:, None]
+    np.testing.assert_allclose(ours, np.asarray(d_want, np.float32), rtol=2 ** -7 + 1e-5, atol=1e-28)
+    if not one_read:   # the two-read form stores softmax - one-hot itself: the twin's bf16 values exactly
+        assert np.all(np.asarray(row_scale) == 1.0)
+        np.testing.assert_array_equal(np.asarray(d, np.float32), np.asarray(d_want, np.float32))
+    return loss, ours
 
 
+@pytest.mark.parametrize("one_read", [True, False])
 @pytest.mark.parametrize("vocab", [300, CHUNK, CHUNK + 1, 3 * CHUNK - 5])
-def test_interpret_loss_and_grad_match_the_two_kernels(vocab):
-    _check_kernel(*_logits(7, vocab))
+def test_interpret_loss_and_grad_match_the_two_kernels(vocab, one_read):
+    _check_kernel(*_logits(7, vocab), one_read=one_read)
 
 
-def test_interpret_masked_columns_a_masked_chunk_and_a_target_outside_the_vocabulary():
+@pytest.mark.parametrize("one_read", [True, False])
+def test_interpret_masked_columns_a_masked_chunk_and_a_target_outside_the_vocabulary(one_read):
     logits, targets = _logits(4, 3 * CHUNK)
     logits = logits.at[0, : CHUNK + 7].set(-jnp.inf)
     targets = targets.at[0].set(CHUNK + 7 + targets[0] % 100)
     logits = logits.at[1, 2 * CHUNK:].set(-jnp.inf)
-    _check_kernel(logits, targets)
-    loss, _ = loss_and_logit_grad(logits, targets.at[2].set(3 * CHUNK), True)
+    _check_kernel(logits, targets, one_read=one_read)
+    loss, _, _ = loss_and_scaled_logit_grad(logits, targets.at[2].set(3 * CHUNK), True, one_read=one_read)
     assert np.isnan(float(loss[2])) and np.all(np.isfinite(np.asarray(loss)[[0, 1, 3]]))
+
+
+def test_interpret_rows_whose_reference_moves(interpret=True):
+    """The reference R is set from the first chunk; a later chunk 70 above it moves R once, one 140 above twice
+    (the chunks already stored rescaled). Row 2's target is its largest logit, 7 above the next, so its softmax - 1
+    (~ -e^-7) cancels: the target column's value must not lose it. Row 3 is the same without a move (the control)."""
+    logits, targets = _logits(4, 4 * CHUNK, scale=2.0)
+    logits = logits.at[0, 2 * CHUNK + 5].set(70.0)
+    logits = logits.at[1, CHUNK + 9].set(70.0).at[1, 3 * CHUNK + 1].set(140.0)
+    logits = logits.at[2, 3 * CHUNK + 3].set(90.0).at[2, 2 * CHUNK + 11].set(83.0)
+    targets = targets.at[1].set(CHUNK + 9).at[2].set(3 * CHUNK + 3).at[3].set(17)
+    logits = logits.at[3, 17].set(30.0).at[3, 500].set(23.0)
+    _, ours = _check_kernel(logits, targets, interpret)
+    assert -2e-3 < ours[2, 3 * CHUNK + 3] < -5e-4 and -2e-3 < ours[3, 17] < -5e-4
+
+
+def test_interpret_non_finite_rows_give_a_non_finite_loss_as_the_plain_form():
+    logits, targets = _logits(4, 2 * CHUNK + 3)
+    logits = logits.at[0, CHUNK + 1].set(jnp.inf).at[1, 5].set(jnp.nan).at[2].set(-jnp.inf)
+    targets = targets.at[0].set(0)
+    loss, _, _ = loss_and_scaled_logit_grad(logits, targets, True)
+    want = cross_entropy_per_token(logits, targets, True)
+    assert float(loss[0]) == float(want[0]) == np.inf
+    assert np.isnan(float(loss[1])) and np.isnan(float(want[1]))
+    assert np.isnan(float(loss[2])) and np.isnan(float(want[2]))
+    assert np.isfinite(float(loss[3])) and float(loss[3]) == pytest.approx(float(want[3]), rel=2e-6)
 
 
 def test_chunk_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="chunk=1000 must be a power of 2"):
-        loss_and_logit_grad(*_logits(2, 300), True, 1000)
+        loss_and_scaled_logit_grad(*_logits(2, 300), True, 1000)
 
 
 def _head_case(tokens=24, dim=64, vocab=3000, seed=1):
@@ -63,11 +100,13 @@ def _value_and_grads(loss_fn, x, w, g):
     return jax.value_and_grad(lambda x, w: jnp.sum(g * loss_fn(x, w)), (0, 1))(x, w)
 
 
+@pytest.mark.parametrize("one_read", [True, False])
 @pytest.mark.parametrize("w_is_VD", [False, True])
-def test_interpret_head_matches_its_unfused_twin_and_a_float32_reference(w_is_VD):
+def test_interpret_head_matches_its_unfused_twin_and_a_float32_reference(w_is_VD, one_read):
     x, w_DV, targets, g = _head_case()
     w = w_DV.T if w_is_VD else w_DV
-    fused = _value_and_grads(lambda x, w: head_cross_entropy_per_token(x, w, targets, w_is_VD, True), x, w, g)
+    fused = _value_and_grads(lambda x, w: head_cross_entropy_per_token(x, w, targets, w_is_VD, True, one_read), x, w,
+                             g)
     twin = _value_and_grads(lambda x, w: cross_entropy_per_token(
         jnp.einsum("td,vd->tv" if w_is_VD else "td,dv->tv", x, w), targets, True), x, w, g)
 
@@ -133,28 +172,42 @@ def test_resolution_of_the_fused_head():
         resolve_cross_entropy("pallas_fused", backend="cpu", partitioned_by_xla=False)
     with pytest.raises(ValueError, match="XLA plan on several devices"):
         resolve_cross_entropy("pallas_fused", backend="gpu", partitioned_by_xla=True)
+    assert resolve_cross_entropy("pallas_fused_one_read", backend="gpu", partitioned_by_xla=False) == \
+        CrossEntropyImpl.PALLAS_FUSED_ONE_READ
+    with pytest.raises(ValueError, match="kernels.cross_entropy='pallas_fused_one_read'.*backend 'cpu'"):
+        resolve_cross_entropy("pallas_fused_one_read", backend="cpu", partitioned_by_xla=False)
 
 
-def test_the_train_step_with_the_fused_head_lowers_for_the_gpu(monkeypatch):
-    """The manual SP+EP step with kernels.cross_entropy='pallas_fused', lowered for CUDA on the CPU: one Triton
-    call (the backward is the head's two GEMMs), its logits operand aliased to its gradient output."""
-    text = lowered_train_step_for_cuda(monkeypatch, cross_entropy="pallas_fused")
+@pytest.mark.parametrize("impl", ["pallas_fused", "pallas_fused_one_read"])
+def test_the_train_step_with_the_fused_head_lowers_for_the_gpu(monkeypatch, impl):
+    """The manual SP+EP step with kernels.cross_entropy='pallas_fused' (or its one-read kernel), lowered for CUDA on
+    the CPU: one Triton call (the backward is the head's two GEMMs), its logits operand aliased to its gradient
+    output."""
+    text = lowered_train_step_for_cuda(monkeypatch, cross_entropy=impl)
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "cross_entropy_loss_and_grad" in text and "output_operand_alias" in text
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("one_read", [True, False])
 @pytest.mark.parametrize("tokens, vocab", [(512, 102400), (1024, 32000), (300, 151936)])
-def test_gpu_kernel_matches_the_two_kernels(tokens, vocab):
-    _check_kernel(*_logits(tokens, vocab, scale=4.0), interpret=False)
+def test_gpu_kernel_matches_the_two_kernels(tokens, vocab, one_read):
+    _check_kernel(*_logits(tokens, vocab, scale=4.0), interpret=False, one_read=one_read)
 
 
 @pytest.mark.gpu
+def test_gpu_rows_whose_reference_moves():
+    test_interpret_rows_whose_reference_moves(interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_read", [True, False])
 @pytest.mark.parametrize("w_is_VD", [False, True])
-def test_gpu_head_matches_its_twin(w_is_VD):
+def test_gpu_head_matches_its_twin(w_is_VD, one_read):
     x, w, targets, g = _head_case(tokens=512, dim=256, vocab=32000)
     w = w.T if w_is_VD else w
-    fused = _value_and_grads(lambda x, w: head_cross_entropy_per_token(x, w, targets, w_is_VD), x, w, g)
+    fused = _value_and_grads(lambda x, w: head_cross_entropy_per_token(x, w, targets, w_is_VD, False, one_read),
+                             x, w, g)
     twin = _value_and_grads(lambda x, w: cross_entropy_per_token(
         jnp.einsum("td,vd->tv" if w_is_VD else "td,dv->tv", x, w), targets), x, w, g)
     np.testing.assert_allclose(float(fused[0]), float(twin[0]), rtol=1e-5)
