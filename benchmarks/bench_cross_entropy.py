@@ -103,15 +103,17 @@ SWEEP = [(1024, 4), (4096, 4), (2048, 8), (4096, 8)]   # (columns per step, warp
 FUSED = [(2048, 4), (4096, 8), (4096, 16), (16384, 32)]
 
 
-def fused_loss_and_grad(chunk: int, num_warps: int, interpret: bool = False):
+def fused_loss_and_grad(chunk: int, num_warps: int, interpret: bool = False, one_read: bool = True):
     """The fused kernel alone: the mean loss, d and its row scale (its whole [T, V] cost in the fused head; what
-    remains of the backward there is a scale on the head GEMMs' [T, D] side)."""
+    remains of the backward there is a scale on the head GEMMs' [T, D] side). `one_read=False`: the kernel of
+    kernels.cross_entropy='pallas_fused', which reads each row twice."""
     from pallas_kernels.cross_entropy import loss_and_scaled_logit_grad
 
     def f(logits_BSV, targets_BS):
         b, s, v = logits_BSV.shape
         loss, d, row_scale = loss_and_scaled_logit_grad(logits_BSV.reshape(b * s, v), targets_BS.reshape(b * s),
-                                                        interpret, chunk, num_warps, alias=False)
+                                                        interpret, chunk, num_warps, alias=False,
+                                                        one_read=one_read)
         return jnp.mean(loss), d, row_scale
     return f
 
@@ -130,6 +132,7 @@ def bench_shape(name: str, shape, loops: int, sweep: bool = False, interpret: bo
         fns[f"{label}/fwd+bwd"] = jax.jit(jax.value_and_grad(f))
     for c, w in FUSED:
         fns[f"fused_c{c}_w{w}/fwd+bwd"] = jax.jit(fused_loss_and_grad(c, w, interpret))
+    fns["fused_two_reads/fwd+bwd"] = jax.jit(fused_loss_and_grad(*FUSED[0], interpret, one_read=False))
     losses, errors = {}, {}
     for key in list(fns):   # a variant that does not compile is recorded and left out of the timing
         label, part = key.split("/")

@@ -12,7 +12,7 @@ def test_every_cross_entropy_variant_is_timed_and_agrees_on_the_loss(monkeypatch
     monkeypatch.setattr(bench_cross_entropy, "FUSED", bench_cross_entropy.FUSED[:1])   # one tiling: the CPU's time
     row = bench_cross_entropy.bench_shape("tiny", (2, 8, 512), loops=2, interpret=True)
     assert row["errors"] == {}
-    fused = [f"fused_c{c}_w{w}" for c, w in bench_cross_entropy.FUSED]
+    fused = [f"fused_c{c}_w{w}" for c, w in bench_cross_entropy.FUSED] + ["fused_two_reads"]
     assert set(row["ms"]) == ({f"{v}/{p}" for v in bench_cross_entropy.VARIANTS for p in ("fwd", "fwd+bwd")} |
                               {f"{f}/fwd+bwd" for f in fused} | {"copy"})
     losses = row["losses"]
