@@ -157,7 +157,7 @@ def pallas_cross_entropy(logits_BSV, targets_BS, interpret: bool = False):
     return jnp.mean(cross_entropy_per_token(logits_BSV.reshape(b * s, v), targets_BS.reshape(b * s), interpret))
 
 
-def pallas_head_cross_entropy(x_BSD, w, targets_BS, w_is_VD: bool, interpret: bool = False, one_read: bool = False):
+def pallas_head_cross_entropy(x_BSD, w, targets_BS, w_is_VD: bool, interpret: bool = False, *, one_read: bool):
     """`cross_entropy`'s value of the logits x @ w (w: [D, V]; [V, D] where `w_is_VD`, a tied table), the head
     GEMM and the loss as one custom VJP (pallas_kernels/cross_entropy.head_cross_entropy_per_token); `one_read`:
     its kernel that reads the logits once (kernels.cross_entropy='pallas_fused_one_read')."""
