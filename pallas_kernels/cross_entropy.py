@@ -77,7 +77,8 @@ def _backward_kernel(x_ref, target_ref, log_z_ref, g_ref, dx_ref, *, chunk: int)
 # The fused kernel's reference (`_loss_and_grad_kernel`): its row is stored as exp(x - R) for a reference R set from
 # the first chunk with a finite maximum, R = that maximum + REFERENCE_MARGIN, and moved (the chunks already stored
 # read again and rescaled) only where a later chunk's maximum passes R + HEADROOM. So every stored value is at most
-# e^HEADROOM (~2e17: the head GEMMs' float32 sums over a 100k-word row cannot overflow), and as R is at most the
+# e^HEADROOM (~2e17), the target's (p - 1) / row_scale at most the row's sum (V e^HEADROOM, ~2e22 at V = 102400):
+# the head GEMMs' float32 sums over a row cannot overflow, and the products are at gradient scale. As R is at most the
 # row's maximum + REFERENCE_MARGIN, a value underflows (exp below e^-87) only where its logit is more than 71 below
 # that maximum: a probability under e^-71 ~ 1e-31, which the bf16 softmax of the form before kept and no GEMM sum
 # can see. A real row moves R only if one of its logits is 56 above the first chunk's largest; a test builds one.
@@ -115,14 +116,15 @@ def _loss_and_grad_kernel(x_ref, target_ref, d_ref, log_z_ref, target_logit_ref,
             @pl.loop(0, pl.cdiv(n, chunk))
             def _(j):
                 cols_j = j * chunk + jnp.arange(chunk)
-                mask_j = (cols_j < i * chunk) & (cols_j != target)
+                mask_j = cols_j < i * chunk
                 old = plgpu.load(d_ref.at[cols_j], mask=mask_j, other=0.0).astype(jnp.float32)
                 plgpu.store(d_ref.at[cols_j], (old * factor).astype(d_ref.dtype), mask=mask_j)
 
         jax.lax.cond(moves & finite_move, rescale_stored_chunks, lambda: None)
         e = jnp.exp(x - shift_of(r_new))
-        # the target's column keeps its logit until the end (the last store below is its only write)
-        plgpu.store(d_ref.at[cols], e.astype(d_ref.dtype), mask=mask & (cols != target))
+        # the target's column too (no `cols != target` in the mask: Triton would not vectorize a store masked by
+        # a comparison with a scalar); the one-lane store after the loop writes its value over it
+        plgpu.store(d_ref.at[cols], e.astype(d_ref.dtype), mask=mask)
         return r_new, s * factor + jnp.sum(e), hit + jnp.where(cols == target, x, 0.0)
 
     r, s, hit = jax.lax.fori_loop(0, pl.cdiv(n, chunk), body, (jnp.float32(-jnp.inf), jnp.float32(0.0),
@@ -131,7 +133,9 @@ def _loss_and_grad_kernel(x_ref, target_ref, d_ref, log_z_ref, target_logit_ref,
     log_z_ref[...] = jnp.where(jnp.isfinite(r), r + jnp.log(s), r)
     target_logit_ref[...] = target_logit
     row_scale_ref[...] = 1.0 / s
-    # (softmax - 1) / row_scale at the target = exp(x_t - R) - s; one lane of the target's chunk stores it
+    # (softmax - 1) / row_scale at the target = exp(x_t - R) - s; one lane of the target's chunk stores it, over the
+    # loop's e_t: the same lane of the same layout as the loop's store (so the same thread), and after the loop's
+    # cross-warp reductions (barriers) in any case
     base = jax.lax.div(jnp.clip(target, 0, n - 1), chunk) * chunk   # non-negative: a plain division
     cols = base + jnp.arange(chunk)
     value = jnp.exp(target_logit - shift_of(r)) - s
