@@ -6,7 +6,8 @@
     fused     `loss_and_scaled_logit_grad`: both in one read and one write, d = (softmax - one-hot) / a per-row
               scale written over the logits, for `head_cross_entropy_per_token` (the output head's GEMM and the
               loss as one custom VJP whose backward scales the GEMMs' [T, D] side by the cotangent and that row
-              scale: kernels.cross_entropy='pallas_fused').
+              scale: kernels.cross_entropy='pallas_fused_one_read'; with `one_read=False` the form that stores
+              softmax - one-hot itself and reads each row twice, kernels.cross_entropy='pallas_fused').
 
 Why not XLA's: jax.nn.logsumexp is a max pass and an exp-sum pass over the logits, and XLA's exp-sum and backward
 passes run well below HBM speed: on an H200, 4.3 ms for the forward and 4.7 ms for the backward of
@@ -226,8 +227,8 @@ def loss_and_scaled_logit_grad(logits_TV, targets_T, interpret: bool = False, ch
     logits (input_output_aliases: XLA copies them first only if they are used after this call). The loss's gradient
     w.r.t. the logits is (g * row_scale)[:, None] * d for a cotangent g; in `head_cross_entropy_per_token` that
     per-row factor moves onto the head GEMMs' [T, D] side, so the logits take one kernel and no second [T, V] array
-    is alive at once. d rounds each value to bf16 once, as softmax - one-hot in bf16 does (the reference R:
-    `REFERENCE_MARGIN`). The form before this one stored softmax - one-hot itself, which needs log Z before the
+    is alive at once. d rounds each value to bf16 once, as softmax - one-hot in bf16 does, twice only for values
+    stored before a row's reference moved (the reference R: `REFERENCE_MARGIN`). The form before this one stored softmax - one-hot itself, which needs log Z before the
     first store: a second read of the row (on an H100 ~3 elementwise passes' time, 6.83 ms at 32768 x 102400;
     benchmarks/results/cross_entropy_fused_head_1xh100.json); `one_read=False` runs that form (row_scale 1).
     `alias=False` writes d to a new array (bench_cross_entropy: a jitted function's argument is not donated, so an
