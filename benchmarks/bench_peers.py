@@ -1,6 +1,6 @@
 """Peers benchmark: one Mixtral-shaped MoE block fwd+bwd (GQA causal attention + top-2 of 8 dropless experts),
-and the same 2-layer stack, in this project, torchtitan's MoE block (torch.compile), the stock JAX variants,
-and the dense-equivalent bound. Same shapes, same input tokens, one device call.
+and the same 2-layer stack, in this project, torchtitan's MoE block (torch.compile), MaxText's Mixtral layer, the
+stock JAX variants and the dense-equivalent bound. Same shapes, same input tokens, one device call.
 
     python3 benchmarks/bench_peers.py --out $OUT/peers.json          # on the GPU machine
     python3 benchmarks/bench_peers.py --list                          # the plan, no JAX / torch import
@@ -13,13 +13,14 @@ the attention core 2*S*H*K per token (causal halving included); fwd+bwd = 3 x fw
 the same FLOPs (the model FLOPs of the block), so TFLOP/s ratios are time ratios.
 
 Robustness: the orchestrator imports neither JAX nor torch; each group runs in its own subprocess
-(`--worker jax-core | torch | jax-extra`) with a timeout cut from one global budget (--budget-s), each variant
-inside its own try/except, and every result is appended to a JSON-lines file as soon as it is measured, so
+(`--worker jax-core | torch | jax-extra | maxtext`) with a timeout cut from one global budget (--budget-s), each
+variant inside its own try/except, and every result is appended to a JSON-lines file as soon as it is measured, so
 a crash or a timeout loses only the variant that was running. peers.json is rewritten after every group.
-torch never shares a process with JAX (and JAX runs with XLA_PYTHON_CLIENT_PREALLOCATE=false).
+torch never shares a process with JAX (and JAX runs with XLA_PYTHON_CLIENT_PREALLOCATE=false); MaxText runs in
+a process of its own with its wheels (.whl/maxtext, benchmarks/get_maxtext_wheels.sh) installed for it alone.
 Modules: this file is the orchestrator and the workers' entry point; peers_plan.py (shapes, FLOPs, variants),
 peers_worker_contract.py (tokens, results file, timed loop), peers_jax_worker.py, peers_torch_worker.py,
-peers_results.py (verdicts, peers.json, table).
+peers_maxtext_worker.py, peers_results.py (verdicts, peers.json, table).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:   # run as a plain script (and as its own workers): the sibling modules import as benchmarks.*
     sys.path.insert(0, REPO)
 from benchmarks.peers_jax_worker import jax_worker  # noqa: E402
+from benchmarks.peers_maxtext_worker import maxtext_worker  # noqa: E402
 from benchmarks.peers_plan import (FULL, MAXTEXT_NOTE, TINY, VARIANTS, WORKER_ORDER, WORKER_SHARE,  # noqa: E402
                                    Shapes, plan_text, selected)
 from benchmarks.peers_results import assemble, table  # noqa: E402
@@ -64,7 +66,7 @@ def orchestrate(args, shapes: Shapes):
     except Exception as e:  # noqa: BLE001
         notes.append(f"token file failed: {e!r}")
     env = {"orchestrator_python": sys.version.split()[0]}
-    results = {"maxtext_block": {"ok": False, "skipped": MAXTEXT_NOTE}}
+    results = {}
 
     def write():
         got = read_jsonl(results_path)
@@ -81,12 +83,14 @@ def orchestrate(args, shapes: Shapes):
             json.dump(doc, f, indent=1, default=str)
         return doc
 
-    for worker in WORKER_ORDER:
-        names = [nm for nm, w, _, _ in VARIANTS if w == worker and selected(args, nm)]
+    names_of = {w: [nm for nm, vw, _, _ in VARIANTS if vw == w and selected(args, nm)] for w in WORKER_ORDER}
+    for i, worker in enumerate(WORKER_ORDER):
+        names = names_of[worker]
         if not names:
             continue
         left = args.budget_s - (time.monotonic() - t_begin)
-        cap = left * WORKER_SHARE[worker]
+        last = not any(names_of[w] for w in WORKER_ORDER[i + 1:])
+        cap = left * (1.0 if last else WORKER_SHARE[worker])
         if worker == "jax-core":
             cap = max(cap, min(left, 150.0))
         if cap < 20 and not args.tiny:
@@ -103,6 +107,15 @@ def orchestrate(args, shapes: Shapes):
             cmd.append("--no-compile")
         envv = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
         envv["PYTHONPATH"] = os.pathsep.join([p for p in (envv.get("PYTHONPATH", ""), REPO) if p])
+        if worker == "maxtext":
+            site, why_not = maxtext_site(args, work)
+            if why_not:
+                for nm in names:
+                    results[nm] = {"ok": False, "skipped": why_not}
+                notes.append(why_not)
+                write()
+                continue
+            envv["PYTHONPATH"] = os.pathsep.join([site, envv["PYTHONPATH"]])   # first: its pins over the image's
         print(f"== worker {worker}: {names} (timeout {cap:.0f} s, {left:.0f} s of budget left)", flush=True)
         t0 = time.monotonic()
         try:
@@ -123,6 +136,24 @@ def orchestrate(args, shapes: Shapes):
     return doc
 
 
+def maxtext_site(args, work: str) -> tuple[str | None, str | None]:
+    """MaxText's wheels (.whl/maxtext) installed into a site directory only the MaxText worker sees, so its
+    typing-extensions / jinja2 / packaging never shadow the image's in the other workers. (site, None) or
+    (None, why not)."""
+    import glob
+    wheels = sorted(glob.glob(os.path.join(args.maxtext_wheels, "*.whl")))
+    if not wheels:
+        return None, (f"maxtext_* not run: no wheels in {args.maxtext_wheels} (fetch them with "
+                      "`bash benchmarks/get_maxtext_wheels.sh` and carry .whl)")
+    site = os.path.join(work, "maxtext_site")
+    cmd = [args.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", site,
+           *wheels]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None, f"maxtext_* not run: installing {args.maxtext_wheels} failed: {proc.stderr.strip()[-600:]}"
+    return site, None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", os.path.join(REPO, "runs")), "peers.json"))
@@ -141,6 +172,8 @@ def parse_args(argv=None):
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--torch-python", default="", help="interpreter for the torch worker (default --python)")
     p.add_argument("--workdir", default="")
+    p.add_argument("--maxtext-wheels", default=os.path.join(REPO, ".whl", "maxtext"),
+                   help="MaxText's wheels, installed for its worker only (benchmarks/get_maxtext_wheels.sh)")
     # worker-only
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--names", default="", help=argparse.SUPPRESS)
@@ -157,6 +190,8 @@ def main(argv=None):
         names = [nm for nm in args.names.split(",") if nm]
         if args.worker == "torch":
             torch_worker(args, shapes, names)
+        elif args.worker == "maxtext":
+            maxtext_worker(args, shapes, names)
         else:
             jax_worker(args, shapes, names)
         return 0

@@ -7,21 +7,19 @@ import dataclasses
 
 PEAK_TFLOPS = 989.0          # H200 dense bf16 (no sparsity)
 
-# why VARIANTS' maxtext_block is recorded as skipped rather than measured (peers.json and the notes carry it)
+# how the maxtext_* variants are built and run (peers.json's notes carry it)
 MAXTEXT_NOTE = (
-    "MaxText not run (skipped, not measured). Found: the package index's maxtext 0.2.5 is a 13.6 MB "
-    "pure-Python wheel with no base requirements; all 262 runtime pins sit under its 'cuda12' extra, which "
-    "asks for jax>=0.11.1 (the image's 0.11.2 would do) but also for the CUDA 12 jax plugin "
-    "(jax-cuda12-pjrt/-plugin; the image has the CUDA 13 one) and transformer-engine-cu12 / -jax (compiled, "
-    "CUDA 12). Carried with --no-deps instead, the import closure of maxtext.layers.moe (read statically from "
-    "the wheel) needs these packages that the GPU image lacks: aqtp, qwix, tokamax (itself needing pydantic, "
-    "einshape, immutabledict, tensorboardx and an xprof stub), pydantic + pydantic-core (compiled), omegaconf "
-    "(+ antlr4 runtime), grain (compiled), drjax, pathwaysutils, tensorboardX, librosa; and the layer is built "
-    "from MaxText's full pydantic config (pyconfig over its base.yml) and a mesh. That chain was not "
-    "assembled and verified on a CPU machine within this benchmark's preparation, and the one GPU call "
-    "leaves no room to debug it there, so it is recorded here as not run rather than approximated. The "
-    "stock-JAX 'stock_capacity' variant is the MaxText-style dispatch (capacity factor 1.0, one-hot einsums, "
-    "drops tokens) that the published MaxText Mixtral number uses.")
+    "MaxText 0.2.5's own Mixtral decoder layer (maxtext.models.mixtral.MixtralDecoderLayer, built by its pyconfig "
+    "over base.yml with model_name=mixtral-8x7b on a 1-device mesh, bf16 weights and activations, no remat), "
+    "attention cudnn_flash_jax (its cuDNN path through JAX's cuDNN SDPA; cudnn_flash_te needs transformer-engine, "
+    "which the image lacks and MaxText pins as a CUDA 12 build), dropless MoE (sparse_matmul, no expert "
+    "parallelism; MaxText's moe_has_overflow flag checked before timing). maxtext_block: megablox off, tokamax off, i.e. "
+    "jax.lax.ragged_dot, the path of MaxText's configs/gpu/models/mixtral_8x7b.yml; maxtext_block_tokamax: "
+    "use_tokamax_gmm (tokamax's Mosaic GPU ragged_dot), the dropless choice of its moe_configuration.md. "
+    "Installed without MaxText's 'cuda12' extra from .whl/maxtext (benchmarks/get_maxtext_wheels.sh) into a "
+    "site directory of the MaxText worker's own; modules imported only for features the layer never runs "
+    "(xprof, pathwaysutils, grain, PIL, MaxText's HF checkpoint loader) are empty stubs in that process "
+    "(benchmarks/peers_maxtext_worker.py).")
 
 
 # ------------------------------------------------------------------------------------------ shapes / FLOPs
@@ -97,10 +95,15 @@ VARIANTS = [
     ("stock_capacity", "jax-extra", "stock JAX block, capacity-factor-1.0 one-hot einsum dispatch "
                                     "(MaxText-style, drops tokens)", 1),
     ("stock_ragged", "jax-extra", "stock JAX block, dropless jax.lax.ragged_dot", 1),
-    ("maxtext_block", "none", "MaxText MoE layer", 1),
+    ("maxtext_block", "maxtext", "MaxText's Mixtral decoder layer (cudnn_flash_jax attention, dropless "
+                                 "sparse_matmul MoE on jax.lax.ragged_dot: its GPU Mixtral config), fwd+bwd", 1),
+    ("maxtext_block_tokamax", "maxtext", "maxtext_block with use_tokamax_gmm (tokamax's Mosaic GPU ragged_dot, "
+                                         "its docs' dropless choice), fwd+bwd", 1),
 ]
-WORKER_ORDER = ("jax-core", "torch", "jax-extra")
-WORKER_SHARE = {"jax-core": 0.35, "torch": 0.65, "jax-extra": 1.0}   # share of the budget left when it starts
+WORKER_ORDER = ("jax-core", "torch", "jax-extra", "maxtext")
+# share of the budget left when a worker starts; the last worker with selected variants takes all that is left
+WORKER_SHARE = {"jax-core": 0.35, "torch": 0.65, "jax-extra": 0.6, "maxtext": 1.0}
+MAXTEXT_MOE = {"maxtext_block": "ragged_dot", "maxtext_block_tokamax": "tokamax"}   # the worker's `moe` argument
 
 
 def plan_text(args, shapes: Shapes) -> str:

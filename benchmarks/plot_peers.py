@@ -9,7 +9,7 @@ import json
 import sys
 
 BLOCK_ORDER = ["ours_block", "ours_block_grid_tiles", "stock_bound", "torchtitan_block", "stock_capacity",
-               "stock_ragged", "ours_2layer", "torchtitan_2layer"]
+               "stock_ragged", "maxtext_block", "maxtext_block_tokamax", "ours_2layer", "torchtitan_2layer"]
 
 
 def bars(doc: dict) -> list[tuple[str, float, float]]:
@@ -29,7 +29,7 @@ def plot(doc: dict, path: str) -> str:
 
     data = bars(doc)
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    colors = {"ours": "tab:blue", "stock": "tab:gray", "torchtitan": "tab:orange"}
+    colors = {"ours": "tab:blue", "stock": "tab:gray", "torchtitan": "tab:orange", "maxtext": "tab:green"}
     names = [d[0] for d in data]
     ax.bar(names, [d[1] for d in data], color=[colors.get(n.split("_")[0], "tab:gray") for n in names])
     for i, (_, tf, mfu) in enumerate(data):

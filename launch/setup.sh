@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv with Python 3.12 (jax 0.11 needs it) and installs megascale-jax in editable mode.
 #   bash launch/setup.sh            # the package (CPU jax)
-#   bash launch/setup.sh test       # + test tools        bash launch/setup.sh test,bench   # + plotting
+#   bash launch/setup.sh test       # + test tools, and MaxText's wheels for the peers benchmark's CPU test
+#   bash launch/setup.sh test,bench # + plotting
 #   bash launch/setup.sh gpu        # + CUDA 13 jaxlib plugin and jax-triton, on a GPU machine
 # A Python 3.12 is looked for in $PYTHON, on PATH (python3.12, python3), under pyenv and /usr(/local)/bin.
 # Re-running is cheap: nothing is reinstalled unless setup.cfg or the extras changed.
@@ -44,4 +45,10 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q -e "$spec"
   rm -f .venv/.megascale-installed-*
   touch "$stamp"
+fi
+
+# The peers benchmark's MaxText worker test installs these into a directory of its own (never into .venv).
+if [[ ",$extras," == *",test,"* ]]; then
+  PYTHON=.venv/bin/python bash benchmarks/get_maxtext_wheels.sh 2>/dev/null \
+    || echo "setup: MaxText's wheels not fetched; tests/test_bench_peers.py's MaxText test will be skipped" >&2
 fi

@@ -73,7 +73,8 @@ def test_verdicts_missing_variants_are_none():
 
 def test_assemble_json_shape_and_table():
     res = _results(ours=36.0, bound=33.0, tt=45.0, dense=1.5)
-    res["maxtext_block"] = {"ok": False, "skipped": plan.MAXTEXT_NOTE}
+    res["maxtext_block"] = {"ok": True, "ms": 180.0}
+    res["maxtext_block_tokamax"] = {"ok": True, "ms": 72.0}
     doc = results.assemble(res, plan.FULL, {"jax": {"device_kind": "H200"}}, ["n"], tiny=False)
     doc = json.loads(json.dumps(doc))
     assert set(doc) >= {"environment", "shapes", "flops", "variants", "verdicts", "notes", "peak_tflops"}
@@ -84,9 +85,13 @@ def test_assemble_json_shape_and_table():
     assert ours["mfu"] == pytest.approx(ours["tflops"] / 989.0)
     assert doc["variants"]["jax_dense_gemm"]["tflops"] == pytest.approx(2 * 8192 ** 3 / 1.5e-3 / 1e12)
     assert doc["variants"]["torchtitan_2layer"]["ok"] is False
-    assert "MaxText" in doc["variants"]["maxtext_block"]["skipped"]
+    assert doc["verdicts"]["ours_over_maxtext"] == pytest.approx(2.0)          # against its faster variant
+    assert doc["verdicts"]["maxtext_fastest"] == "maxtext_block_tokamax"
+    assert doc["variants"]["maxtext_block"]["mfu"] == pytest.approx(ours["mfu"] / 5.0)
     text = results.table(doc)
-    assert "ours / bound" in text and "ours_block" in text and "maxtext_block" in text
+    assert "ours / bound" in text and "ours_block" in text and "ours / MaxText        = 2.000x" in text
+    res["maxtext_block_tokamax"] = {"ok": False, "error": "x"}
+    assert results.verdicts(res, plan.FULL)["ours_over_maxtext"] == pytest.approx(5.0)
 
 
 def test_jsonl_roundtrip(tmp_path):
@@ -131,6 +136,45 @@ def test_plot(tmp_path):
     assert [b[0] for b in plot_peers.bars(doc)] == ["ours_block", "stock_bound", "torchtitan_block"]
     path = plot_peers.plot(doc, str(tmp_path / "p.png"))
     assert os.path.getsize(path) > 0
+
+
+def test_maxtext_without_its_wheels_is_recorded_as_not_run(tmp_path):
+    """No MaxText wheels: its variants are recorded as not run, with the fetch command, and no worker starts."""
+    out = tmp_path / "peers.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_peers.py"), "--tiny", "--only",
+                    "maxtext_block,maxtext_block_tokamax", "--maxtext-wheels", str(tmp_path / "none"),
+                    "--out", str(out)], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120)
+    doc = json.loads(out.read_text())
+    for name in ("maxtext_block", "maxtext_block_tokamax"):
+        assert doc["variants"][name]["ok"] is False
+        assert "get_maxtext_wheels.sh" in doc["variants"][name]["skipped"]
+    assert doc["verdicts"]["ours_over_maxtext"] is None
+
+
+MAXTEXT_WHEELS = os.path.join(ROOT, ".whl", "maxtext")
+
+
+@pytest.mark.skipif(not os.path.isdir(MAXTEXT_WHEELS) or not os.listdir(MAXTEXT_WHEELS),
+                    reason="MaxText's wheels are not in .whl/maxtext (bash benchmarks/get_maxtext_wheels.sh)")
+def test_tiny_maxtext_worker_runs_its_layer_dropless(tmp_path):
+    """MaxText's Mixtral layer end to end on the CPU through the orchestrator (its wheels installed for its worker
+    alone): built from its config, finite output and nonzero gradients, MaxText's own overflow flag read (no
+    token dropped), timed. The tokamax variant has no CPU kernel (tokamax picks its TPU one there): an error
+    record, not a crash of the worker."""
+    out = tmp_path / "peers.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_peers.py"), "--tiny", "--only",
+                    "maxtext_block,maxtext_block_tokamax", "--workdir", str(tmp_path / "work"), "--out", str(out)],
+                   cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=400)
+    doc = json.loads(out.read_text())
+    mt = doc["variants"]["maxtext_block"]
+    assert mt["ok"], mt.get("error")
+    assert mt["ms"] > 0 and mt["grads_nonzero"] and mt["output_finite"] and mt["grads_finite"]
+    assert mt["dropless"] and not mt["tokens_dropped"] and mt["overflow_flags"] >= 1
+    assert sum(mt["tokens_per_expert"]) == plan.TINY.tokens * plan.TINY.top_k
+    assert mt["kernels"] == {"attention": "dot_product", "moe": "ragged_dot"} and mt["maxtext_version"] == "0.2.5"
+    assert doc["variants"]["maxtext_block_tokamax"]["ok"] is False
+    assert "TPU" in doc["variants"]["maxtext_block_tokamax"]["error"]
 
 
 def test_tiny_jax_worker_times_the_block_variants_round_by_round(tmp_path):
