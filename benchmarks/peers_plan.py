@@ -11,14 +11,14 @@ PEAK_TFLOPS = 989.0          # H200 dense bf16 (no sparsity)
 MAXTEXT_NOTE = (
     "MaxText 0.2.5's own Mixtral decoder layer (maxtext.models.mixtral.MixtralDecoderLayer, built by its pyconfig "
     "over base.yml with model_name=mixtral-8x7b on a 1-device mesh, bf16 weights and activations, no remat), "
-    "attention cudnn_flash_jax (its cuDNN path through JAX's cuDNN SDPA; cudnn_flash_te needs "
-    "transformer-engine, which the image lacks and MaxText pins as a CUDA 12 build), dropless MoE (sparse_matmul, "
-    "no expert parallelism; MaxText's moe_has_overflow flag checked before timing). maxtext_block: megablox off, tokamax off, i.e. "
-    "jax.lax.ragged_dot, the path of MaxText's configs/gpu/models/mixtral_8x7b.yml; maxtext_block_tokamax: "
-    "use_tokamax_gmm (tokamax's Mosaic GPU ragged_dot), the dropless choice of its moe_configuration.md. "
-    "Installed without MaxText's 'cuda12' extra from .whl/maxtext (benchmarks/get_maxtext_wheels.sh) into a "
-    "site directory of the MaxText worker's own; modules imported only for features the layer never runs "
-    "(xprof, pathwaysutils, grain, PIL, MaxText's HF checkpoint loader) are empty stubs in that process "
+    "attention cudnn_flash_jax (its cuDNN path through JAX's cuDNN SDPA; cudnn_flash_te needs transformer-engine, "
+    "which the image lacks and MaxText pins as a CUDA 12 build), dropless MoE (sparse_matmul, no expert "
+    "parallelism; MaxText's moe_has_overflow flag checked before timing). maxtext_block: megablox off, tokamax off,"
+    " i.e. jax.lax.ragged_dot, the path of MaxText's configs/gpu/models/mixtral_8x7b.yml; maxtext_block_tokamax: "
+    "use_tokamax_gmm (tokamax's Mosaic GPU ragged_dot), the dropless choice of its moe_configuration.md. Installed "
+    "without MaxText's 'cuda12' extra from .whl/maxtext (benchmarks/get_maxtext_wheels.sh) into a site directory of"
+    " the MaxText worker's own; modules imported only for features the layer never runs (xprof, pathwaysutils, "
+    "grain, PIL, MaxText's HF checkpoint loader) are empty stubs in that process "
     "(benchmarks/peers_maxtext_worker.py).")
 
 
