@@ -45,7 +45,8 @@ def plot(doc: dict, path: str) -> str:
     s = doc["shapes"]
     ax.set_title(f"Mixtral-shaped block fwd+bwd, {s['layout']} tokens, {(doc['environment'].get('jax') or {}).get('device_kind', '')}\n"
                  f"ours/bound {fmt(v['ours_over_bound'])} (goal 0.95), ours/torchtitan "
-                 f"{fmt(v['ours_over_torchtitan'])} (goal 1.15)", fontsize=9)
+                 f"{fmt(v['ours_over_torchtitan'])} (goal 1.15), ours/MaxText {fmt(v.get('ours_over_maxtext'))}",
+                 fontsize=9)
     ax.set_ylabel("TFLOP/s (model FLOPs)")
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     if ax.get_legend_handles_labels()[0]:

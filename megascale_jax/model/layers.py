@@ -125,23 +125,25 @@ class CrossEntropyImpl(StrEnum):
     # forward kernel writes softmax - one-hot over the logits (GPU, per device; `pallas` is its unfused twin)
     PALLAS_FUSED = "pallas_fused"
     # the same head with a kernel that reads the logits once and stores (softmax - one-hot) / a per-row scale
-    # (pallas_kernels/cross_entropy.loss_and_scaled_logit_grad); not yet run on a GPU, so `auto` does not pick it
+    # (pallas_kernels/cross_entropy.loss_and_scaled_logit_grad); `auto`'s choice on a GPU per device
     PALLAS_FUSED_ONE_READ = "pallas_fused_one_read"
     AUTO = "auto"       # resolved at build time (`resolve_cross_entropy`)
 
 
 def resolve_cross_entropy(choice: str, *, backend: str, partitioned_by_xla: bool) -> str:
-    """`auto` -> 'pallas_fused' on GPU where each device runs its own program (one device, or the manual plans' and
-    the pipelines' shard_map), else 'xla'. Measured inside deepseekmoe_small's train step (8 x 4096 tokens,
+    """`auto` -> 'pallas_fused_one_read' on GPU where each device runs its own program (one device, or the manual
+    plans' and the pipelines' shard_map), else 'xla'. Measured inside deepseekmoe_small's train step (8 x 4096 tokens,
     102400-word vocabulary, one H100, same call): the loss head's softmax passes 7.4 ms (forward 2.7, backward 4.7)
     against the XLA form's 9.9, 166.5k against 165.5k tokens/s (benchmarks/results/train_step_cross_entropy_1xh100
     .json); 'pallas_fused' 6.9 ms in one kernel, and one [T, V] array less in the backward
-    (benchmarks/results/cross_entropy_fused_head_1xh100.json).
+    (benchmarks/results/cross_entropy_fused_head_1xh100.json); 'pallas_fused_one_read' 4.9-5.0 ms against
+    'pallas_fused''s 6.9-7.0 in two calls of opposite order, 165.8-166.9k against 163.6-164.1k tokens/s, and 1.58
+    against 2.24 ms in mixtral_small (benchmarks/results/train_step_cross_entropy_one_read_1xh100.json).
     Where the XLA compiler partitions the step over several devices (the XLA plan without a pipeline) a custom
     kernel would be gathered whole: 'pallas' there, or off the GPU, is an error."""
     where = per_device_refusal(backend=backend, partitioned_by_xla=partitioned_by_xla)
     if choice == CrossEntropyImpl.AUTO:
-        return (CrossEntropyImpl.XLA if where else CrossEntropyImpl.PALLAS_FUSED).value
+        return (CrossEntropyImpl.XLA if where else CrossEntropyImpl.PALLAS_FUSED_ONE_READ).value
     if choice in (CrossEntropyImpl.PALLAS, CrossEntropyImpl.PALLAS_FUSED, CrossEntropyImpl.PALLAS_FUSED_ONE_READ) \
             and where:
         raise ValueError(f"config.kernels.cross_entropy={choice!r} is a per-device GPU kernel and this run has {where}; "

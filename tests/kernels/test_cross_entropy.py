@@ -79,7 +79,8 @@ def test_interpret_target_outside_the_vocabulary_is_nan():
 
 
 def test_resolution_by_backend_and_plan():
-    assert resolve_cross_entropy("auto", backend="gpu", partitioned_by_xla=False) == CrossEntropyImpl.PALLAS_FUSED
+    assert resolve_cross_entropy("auto", backend="gpu", partitioned_by_xla=False) == \
+        CrossEntropyImpl.PALLAS_FUSED_ONE_READ
     assert resolve_cross_entropy("pallas", backend="gpu", partitioned_by_xla=False) == CrossEntropyImpl.PALLAS
     assert resolve_cross_entropy("auto", backend="gpu", partitioned_by_xla=True) == CrossEntropyImpl.XLA
     assert resolve_cross_entropy("auto", backend="cpu", partitioned_by_xla=False) == CrossEntropyImpl.XLA
