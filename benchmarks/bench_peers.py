@@ -157,7 +157,7 @@ def maxtext_site(args, work: str) -> tuple[str | None, str | None]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", os.path.join(REPO, "runs")), "peers.json"))
-    # 560: a device call may run 600 s; with every variant selected (MaxText's two included: ~70 s each on an H100
+    # 560: a device call may run 600 s; with every variant selected (MaxText's two included: 25-60 s each on an H100
     # with their compiles and the pip install of their wheels) 390 left the last workers short
     p.add_argument("--budget-s", type=float, default=560.0, help="global wall-clock budget for all workers")
     # 20, not 5: a loop of 5 timed the block at 36.4 ms per call where its trace shows 34.9 ms of GPU work and 48 us
