@@ -183,6 +183,8 @@ def run(shapes: Shapes, tiny: bool, tokens_path: str, results_path: str, budget_
         import jax
         import jax.numpy as jnp
         import numpy as np
+
+        from benchmarks.environment import environment   # imports jax: here, not at the module's import
         x = jnp.asarray(load_tokens(tokens_path, shapes), jnp.bfloat16)
         grad, check, params, info = build_maxtext(shapes, tiny, attention, moe)
         compile_s = time.perf_counter() - t_start
@@ -219,7 +221,7 @@ def run(shapes: Shapes, tiny: bool, tokens_path: str, results_path: str, budget_
              grads_nonzero=grads_nonzero, tokens_dropped=dropped, overflow_flags=len(flags),
              dropless=not dropped and info["dropless_config"],
              tokens_per_expert=counts, max_over_mean_load=imb, kernels=dict(attention=info["attention"], moe=moe),
-             device=str(jax.devices()[0].device_kind), **info,
+             env=environment(), **info,
              extra=f"MaxText {info['maxtext_version']} {info['attention']} + {moe}, dropless, load max/mean {imb:.2f}")
     except Exception as e:  # noqa: BLE001 - the failure is the record
         emit(results_path, name, ok=False, error=f"{type(e).__name__}: {str(e)[:1500]}",

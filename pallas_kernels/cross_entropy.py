@@ -32,7 +32,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.varying import match_varying, output_struct, vary_like
 
-__all__ = ["cross_entropy_per_token", "head_cross_entropy_per_token", "loss_and_scaled_logit_grad", "CHUNK", "NUM_WARPS"]
+__all__ = ["cross_entropy_per_token", "head_cross_entropy_per_token", "loss_and_scaled_logit_grad", "CHUNK",
+           "NUM_WARPS"]
 
 CHUNK = 2048      # columns per loop step: 2048 bf16 = 4 KB per row and step, 16 per thread of 4 warps
 NUM_WARPS = 4
@@ -228,9 +229,10 @@ def loss_and_scaled_logit_grad(logits_TV, targets_T, interpret: bool = False, ch
     w.r.t. the logits is (g * row_scale)[:, None] * d for a cotangent g; in `head_cross_entropy_per_token` that
     per-row factor moves onto the head GEMMs' [T, D] side, so the logits take one kernel and no second [T, V] array
     is alive at once. d rounds each value to bf16 once, as softmax - one-hot in bf16 does, twice only for values
-    stored before a row's reference moved (the reference R: `REFERENCE_MARGIN`). The form before this one stored softmax - one-hot itself, which needs log Z before the
-    first store: a second read of the row (on an H100 ~3 elementwise passes' time, 6.83 ms at 32768 x 102400;
-    benchmarks/results/cross_entropy_fused_head_1xh100.json); `one_read=False` runs that form (row_scale 1).
+    stored before a row's reference moved (the reference R: `REFERENCE_MARGIN`). The form before this one stored
+    softmax - one-hot itself, which needs log Z before the first store: a second read of the row (on an H100 ~3
+    elementwise passes' time, 6.83 ms at 32768 x 102400; benchmarks/results/cross_entropy_fused_head_1xh100.json);
+    `one_read=False` runs that form (row_scale 1).
     `alias=False` writes d to a new array (bench_cross_entropy: a jitted function's argument is not donated, so an
     alias would copy it first)."""
     t, v = logits_TV.shape
