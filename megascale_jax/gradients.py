@@ -116,32 +116,33 @@ def split_microbatches(batch, num_microbatches: int):
 def accumulate(single: GradientSource, num_microbatches: int, *, per_device: bool) -> GradientSource:
     """`single` over M microbatches; loss and averaged metrics are microbatch means, counts are sums, grads
     the fp32 mean. Equal to one step on the whole batch where the loss is a token mean (CE, z-loss); the
-    balance loss is a product of two token means and is computed per microbatch, as in every pipeline."""
+    balance loss is a product of two token means and is computed per microbatch, as in every pipeline.
+
+    The first microbatch is peeled off the loop: it starts the accumulator (g * 1/M in float32) instead of adding
+    into a zero-filled one, so no pass writes zeros and none reads them back. With M = 2 the loop left has one trip,
+    which XLA inlines: the two microbatches' bf16 gradients are then summed in one fused pass (read 2 + 2, write 4
+    bytes a parameter) where the loop over a zeroed carry took a fill and two read-add-write passes (4 + 10 + 10)."""
     if num_microbatches == 1:
         return single
 
     def source(params, batch):
         microbatches = split_microbatches(batch, num_microbatches)
-        abstract = jax.eval_shape(single, params, jax.tree.map(lambda x: x[0], microbatches))
-        # The carry must have the type the body produces: per device, gradients vary over 'data' too.
-        local_like = jax.tree.map(lambda p: lax.pcast(p, DATA, to="varying"), params) if per_device else params
-        zero_grads = jax.tree.map(lambda g, p: vary_like(jnp.zeros(g.shape, jnp.float32), p),
-                                  abstract[2], local_like)
-        zero_rest = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32 if _is_float(a) else a.dtype),
-                                 (abstract[0], abstract[1]))
-
+        # the mean's 1/M inside the accumulating pass: a separate scaling pass over every gradient after the loop
+        # was 2.9 ms of a 4-microbatch deepseekmoe_small step on an H100 (results_one_pass_ce_acc4 in
+        # benchmarks/results/train_step_profile_deepseekmoe_small_1xh100.json); exact for M a power of 2
         scale = 1.0 / num_microbatches
 
-        def body(acc, microbatch):
-            loss, metrics, grads = single(params, microbatch)
-            acc_rest, acc_grads = acc
-            rest = jax.tree.map(lambda a, v: a + v.astype(a.dtype), acc_rest, (loss, metrics))
-            # the mean's 1/M inside the accumulating pass: a separate scaling pass over every gradient after
-            # the loop was 2.9 ms of a 4-microbatch deepseekmoe_small step on an H100 (results_one_pass_ce_acc4
-            # in benchmarks/results/train_step_profile_deepseekmoe_small_1xh100.json); exact for M a power of 2
-            return (rest, jax.tree.map(lambda a, g: a + g.astype(jnp.float32) * scale, acc_grads, grads)), None
+        def scaled_in_float32(result):
+            loss, metrics, grads = result
+            rest = jax.tree.map(lambda v: v.astype(jnp.float32) if _is_float(v) else v, (loss, metrics))
+            return rest, jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads)
 
-        ((loss, metrics), grads), _ = lax.scan(body, (zero_rest, zero_grads), microbatches)
+        def body(acc, microbatch):
+            (rest, grads), (acc_rest, acc_grads) = scaled_in_float32(single(params, microbatch)), acc
+            return (jax.tree.map(jnp.add, acc_rest, rest), jax.tree.map(jnp.add, acc_grads, grads)), None
+
+        first = scaled_in_float32(single(params, jax.tree.map(lambda x: x[0], microbatches)))
+        (loss, metrics), grads = lax.scan(body, first, jax.tree.map(lambda x: x[1:], microbatches))[0]
         metrics = {k: v if k in SUMMED_METRICS else v * scale for k, v in metrics.items()}
         return loss * scale, metrics, grads
     return source
