@@ -189,3 +189,32 @@ def test_the_state_keeps_the_gemm_weights_copies_of_its_parameters(plan, nonfini
         for a, b in zip(jax.tree.leaves(jax.device_get(state[step.COPIES])), jax.tree.leaves(before[step.COPIES])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert_copies_are_the_cast(state)
+
+
+@pytest.mark.parametrize("microbatches, loops", [(2, 0), (4, 1)])
+def test_the_first_microbatch_starts_the_accumulator(microbatches, loops):
+    """The first microbatch is peeled off the accumulation loop (its gradient, scaled, is the accumulator's start:
+    no zero-filled float32 carry); with 2 microbatches no loop is left in the compiled program, so XLA sees both
+    bf16 gradients in one sum. The mean is exact: the scaled sum equals the gradients' mean."""
+    import jax.numpy as jnp
+
+    from megascale_jax import gradients
+
+    params = {"w": jnp.linspace(-1, 1, 64 * 32, dtype=jnp.float32).reshape(64, 32).astype(jnp.bfloat16)}
+    batch = {"inputs": jax.random.normal(jax.random.key(0), (8, 64)), "targets": jnp.zeros((8, 64))}
+
+    def single(p, b):
+        def loss(p):
+            return jnp.mean((b["inputs"].astype(jnp.bfloat16) @ p["w"]).astype(jnp.float32) ** 2), {"m": 1.0}
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(p)
+        return value, metrics, grads
+
+    source = gradients.accumulate(single, microbatches, per_device=False)
+    compiled = jax.jit(source).lower(params, batch).compile().as_text()
+    assert compiled.count(" while(") == loops
+    loss, _, grads = jax.jit(source)(params, batch)
+    parts = [single(params, jax.tree.map(lambda x: x[m], gradients.split_microbatches(batch, microbatches)))
+             for m in range(microbatches)]
+    assert grads["w"].dtype == jnp.float32
+    np.testing.assert_allclose(grads["w"], sum(np.float32(g["w"]) for _, _, g in parts) / microbatches, rtol=1e-6)
+    np.testing.assert_allclose(loss, sum(float(v) for v, _, _ in parts) / microbatches, rtol=1e-6)
