@@ -6,6 +6,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+# The model's forward and backward appear this many times in the lowered step: of its 2 microbatches the first is
+# peeled off the accumulation loop (megascale_jax/gradients.py `accumulate`), the second is the loop's body.
+MODEL_TRACES = 2
+
 
 def lowered_train_step_for_cuda(monkeypatch, config_overrides=None, **kernels) -> str:
     """StableHLO text of the manual SP+EP step (tiny_cpu, bf16, 4-way intra, 2 microbatches, + `config_overrides`)
