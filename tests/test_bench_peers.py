@@ -154,6 +154,12 @@ def test_maxtext_without_its_wheels_is_recorded_as_not_run(tmp_path):
 MAXTEXT_WHEELS = os.path.join(ROOT, ".whl", "maxtext")
 
 
+def _one_device_env() -> dict:
+    """The worker's environment: one CPU device (not the suite's 8), LLVM at -O0 as in the suite (see conftest.py:
+    it compiles faster; the tests check what the workers record, not how fast their code runs)."""
+    return {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+
+
 @pytest.mark.skipif(not os.path.isdir(MAXTEXT_WHEELS) or not os.listdir(MAXTEXT_WHEELS),
                     reason="MaxText's wheels are not in .whl/maxtext (bash benchmarks/get_maxtext_wheels.sh)")
 def test_tiny_maxtext_worker_runs_its_layer_dropless(tmp_path):
@@ -162,7 +168,7 @@ def test_tiny_maxtext_worker_runs_its_layer_dropless(tmp_path):
     token dropped), timed. The tokamax variant has no CPU kernel (tokamax picks its TPU one there): an error
     record, not a crash of the worker."""
     out = tmp_path / "peers.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = _one_device_env()
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_peers.py"), "--tiny", "--only",
                     "maxtext_block,maxtext_block_tokamax", "--workdir", str(tmp_path / "work"), "--out", str(out)],
                    cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=400)
@@ -181,7 +187,7 @@ def test_tiny_jax_worker_times_the_block_variants_round_by_round(tmp_path):
     """The JAX worker end to end on the CPU (tiny shapes, xla kernels): the dense GEMM and the three block
     variants of jax-core all come back measured, the blocks from one set of timing rounds."""
     out = tmp_path / "peers.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # one CPU device, as a user runs it
+    env = _one_device_env()   # one CPU device, as a user runs it
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_peers.py"), "--tiny", "--only",
                     "jax_dense_gemm,ours_block,ours_block_grid_tiles,stock_bound", "--out", str(out)],
                    cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=300)

@@ -67,8 +67,9 @@ def test_twin_equals_the_ring_schedule_of_the_output_projection():
         o_NMK = jnp.moveaxis(o.reshape(batch, n, seq // n, h * hd), 1, 0).reshape(n, batch * seq // n, h * hd)
         return all_to_all_gemm_reference(o_NMK, wo.reshape(n, h * hd, dim), axis="x").reshape(batch, seq // n, dim)
 
-    run = lambda f: jax.shard_map(lambda o, wo: f(o[0], wo)[None], mesh=mesh,  # noqa: E731
-                                  in_specs=(P("x"), P()), out_specs=P("x"))
+    # jit: one program each (an eager shard_map runs op by op, ~130 small compiles for the two).
+    run = lambda f: jax.jit(jax.shard_map(lambda o, wo: f(o[0], wo)[None], mesh=mesh,  # noqa: E731
+                                          in_specs=(P("x"), P()), out_specs=P("x")))
     put = jax.device_put(o_all, NamedSharding(mesh, P("x")))
     ring = run(lambda o, wo: project_heads_to_seq(o, project_out, wo, axis="x"))(put, wo)
     np.testing.assert_allclose(_f32(run(kernel_rows)(put, wo)), _f32(ring), rtol=1e-5, atol=1e-5)
