@@ -122,7 +122,8 @@ def accumulate(single: GradientSource, num_microbatches: int, *, per_device: boo
     into a zero-filled one, so no pass writes zeros and none reads them back. With M = 2 the loop left has one trip,
     which XLA removes (no while loop in the compiled step): the two microbatches' bf16 gradients meet in one
     elementwise sum that XLA can fuse with what reads it, where the loop over a zeroed carry took a fill and two
-    read-add-write passes of float32 (4 + 10 + 10 bytes a parameter)."""
+    read-add-write passes of float32 (4 + 10 + 10 bytes a parameter). The price is compile time: the model's
+    forward and backward are in the program twice (the tiny CPU config's 2-microbatch step: 4.3 s vs 3.8 s)."""
     if num_microbatches == 1:
         return single
 
