@@ -113,7 +113,7 @@ def split_microbatches(batch, num_microbatches: int):
     return jax.tree.map(one, batch)
 
 
-def accumulate(single: GradientSource, num_microbatches: int, *, per_device: bool) -> GradientSource:
+def accumulate(single: GradientSource, num_microbatches: int) -> GradientSource:
     """`single` over M microbatches; loss and averaged metrics are microbatch means, counts are sums, grads
     the fp32 mean. Equal to one step on the whole batch where the loss is a token mean (CE, z-loss); the
     balance loss is a product of two token means and is computed per microbatch, as in every pipeline.

@@ -264,7 +264,7 @@ def gradient_source(trainer: Trainer) -> gradients.GradientSource:
                                   schedule=p.pipeline_schedule, num_microbatches=cfg.train.microbatches,
                                   virtual_stages=p.virtual_stages, layers_over_pipe=plan.layers_over_pipe)
     single = gradients.autodiff(gradients.model_loss(trainer.graphdef, trainer.layout), per_device=plan.per_device)
-    return gradients.accumulate(single, cfg.train.microbatches, per_device=plan.per_device)
+    return gradients.accumulate(single, cfg.train.microbatches)
 
 
 def _expert_load(metrics):

@@ -106,7 +106,7 @@ def test_gradients_on_the_gemm_weights_compute_copies_equal_the_float32_paramete
         assert bf16 == set(GEMM_WEIGHTS), bf16   # the tiny model has every kind: attention, experts, shared, head
     plain = gradients.accumulate(gradients.autodiff(gradients.model_loss(trainer.graphdef, trainer.layout),
                                                     per_device=trainer.plan.per_device),
-                                 cfg.train.microbatches, per_device=trainer.plan.per_device)
+                                 cfg.train.microbatches)
     original = step.gradient_source, step.source_params
     try:
         step.gradient_source, step.source_params = (lambda _: plain), (lambda s: s["params"])
@@ -209,7 +209,7 @@ def test_the_first_microbatch_starts_the_accumulator(microbatches, loops):
         (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(p)
         return value, metrics, grads
 
-    source = gradients.accumulate(single, microbatches, per_device=False)
+    source = gradients.accumulate(single, microbatches)
     compiled = jax.jit(source).lower(params, batch).compile().as_text()
     assert compiled.count(" while(") == loops
     loss, _, grads = jax.jit(source)(params, batch)
