@@ -5,12 +5,13 @@ The balance loss is a product of two token means, computed per microbatch (as in
 switched off here; CE and the z-loss are token means and accumulate exactly.
 """
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from megascale_jax import step
+from megascale_jax import gradients, step
 from megascale_jax.config import default_config
 from megascale_jax.parallel.plan import DATA
 
@@ -90,9 +91,6 @@ def test_gradients_on_the_gemm_weights_compute_copies_equal_the_float32_paramete
     those weights before each GEMM: both are the same bf16 GEMM outputs, with 2 microbatches summed in float32). The expert weights
     here run lax.ragged_dot (the CPU's grouped GEMM), whose transpose for a float32 operand rounds less: theirs
     agree to bf16 rounding (on the GPU the Pallas kernel's weight gradient is bf16 either way)."""
-    import jax.numpy as jnp
-
-    from megascale_jax import gradients
     from megascale_jax.model.transformer import GEMM_WEIGHTS
 
     cfg = default_config("tiny_cpu", num_devices=8, **{**COMMON, **PLANS[plan], "train.compute_dtype": "bfloat16",
@@ -129,7 +127,6 @@ def test_gradients_on_the_gemm_weights_compute_copies_equal_the_float32_paramete
 
 
 def test_the_gemm_weights_are_cast_and_nothing_else():
-    import jax.numpy as jnp
 
     from megascale_jax.model.transformer import cast_gemm_weights
 
@@ -148,7 +145,6 @@ def test_the_state_keeps_the_gemm_weights_copies_of_its_parameters(plan, nonfini
     """bf16 compute: the step writes the GEMM weights' bf16 copies with the update, and they stay the cast of the
     state's float32 parameters (after create_state, every step, and a skipped non-finite step); the step equals the
     plain twin that casts the float32 parameters at its start. Checkpoints hold no copies; `resumed` casts them."""
-    import jax.numpy as jnp
 
     from megascale_jax.model.transformer import gemm_weight_copies
 
@@ -196,10 +192,6 @@ def test_the_first_microbatch_starts_the_accumulator(microbatches, loops):
     """The first microbatch is peeled off the accumulation loop (its gradient, scaled, is the accumulator's start:
     no zero-filled float32 carry); with 2 microbatches no loop is left in the compiled program, so XLA sees both
     bf16 gradients in one sum. The mean is exact: the scaled sum equals the gradients' mean."""
-    import jax.numpy as jnp
-
-    from megascale_jax import gradients
-
     params = {"w": jnp.linspace(-1, 1, 64 * 32, dtype=jnp.float32).reshape(64, 32).astype(jnp.bfloat16)}
     batch = {"inputs": jax.random.normal(jax.random.key(0), (8, 64)), "targets": jnp.zeros((8, 64))}
 
